@@ -1,0 +1,1 @@
+"""Runtime: kernels, indexer and cache ops (public functions + dispatch), engine and scheduler."""

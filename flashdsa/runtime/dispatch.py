@@ -1,0 +1,114 @@
+"""Backend registry and selection shared by the kernel, indexer and cache ops.
+
+Each op registers one implementation per backend as a lazy ``"module:function"`` target, so
+importing flashdsa never imports Triton or builds CUDA code. ``select`` picks the fastest
+backend that can serve the call: a forced backend (argument or ``FLASHDSA_BACKEND``) that
+cannot serve raises ``ValueError`` with its reason; an automatic choice that falls back to a
+slower backend logs the reason once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("cuda", "triton", "reference")  # fastest first
+ENV_VAR = "FLASHDSA_BACKEND"
+
+# A support check gets the call's keyword "shape facts" and returns None or why it cannot serve.
+SupportCheck = Callable[..., Optional[str]]
+
+
+@dataclass(frozen=True)
+class Impl:
+    target: str  # "package.module:function", imported on first use
+    supports: Optional[SupportCheck] = None
+
+
+_REGISTRY: dict[str, dict[str, Impl]] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def register(op: str, backend: str, target: str, supports: Optional[SupportCheck] = None) -> None:
+    """Register ``target`` as the ``backend`` implementation of ``op``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _REGISTRY.setdefault(op, {})[backend] = Impl(target, supports)
+
+
+@functools.cache
+def _load(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (TRITON_INTERPRET=1), e.g. in CPU CI."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _device_reason(backend: str, device: torch.device) -> Optional[str]:
+    if backend == "reference":
+        return None
+    if backend == "triton" and interpreting():
+        return None
+    if device.type != "cuda":
+        return f"{backend} needs a CUDA device, got {device}"
+    if backend == "cuda" and torch.cuda.get_device_capability(device) != (9, 0):
+        return "cuda backend holds Hopper (SM90) kernels only"
+    return None
+
+
+def _unavailable(op: str, backend: str, device: torch.device, facts: dict) -> Optional[str]:
+    impl = _REGISTRY.get(op, {}).get(backend)
+    if impl is None:
+        return f"{op} has no {backend} implementation"
+    reason = _device_reason(backend, device)
+    if reason is None and impl.supports is not None:
+        reason = impl.supports(**facts)
+    if reason is None:
+        try:
+            _load(impl.target)
+        except ImportError as e:  # e.g. triton not installed
+            reason = f"cannot import {impl.target}: {e}"
+    return reason
+
+
+def select(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> Callable:
+    """Return the implementation of ``op`` for ``device``.
+
+    backend: None picks automatically (``FLASHDSA_BACKEND`` forces one when set).
+    facts: keyword shape facts handed to each backend's support check (e.g. ``h_q=128``).
+    """
+    forced = backend or os.environ.get(ENV_VAR) or None
+    if forced is not None:
+        if forced not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
+        reason = _unavailable(op, forced, device, facts)
+        if reason is not None:
+            raise ValueError(f"backend {forced!r} cannot run {op}: {reason}")
+        return _load(_REGISTRY[op][forced].target)
+    reasons = []
+    for name in BACKENDS:
+        reason = _unavailable(op, name, device, facts)
+        if reason is None:
+            if reasons and device.type == "cuda" and (op, name) not in _warned:
+                _warned.add((op, name))
+                logger.warning("%s falls back to %s on %s: %s", op, name, device, "; ".join(reasons))
+            return _load(_REGISTRY[op][name].target)
+        if name in _REGISTRY.get(op, {}):
+            reasons.append(reason)
+    raise ValueError(f"no backend can run {op} on {device}: {'; '.join(reasons)}")
+
+
+def available(op: str) -> list[str]:
+    """Backends registered for ``op``, fastest first."""
+    return [b for b in BACKENDS if b in _REGISTRY.get(op, {})]
