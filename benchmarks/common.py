@@ -1,0 +1,90 @@
+"""Timing and reporting shared by the benchmark scripts (scripts, not tests).
+
+Timing follows the team's method: CUDA events, warm-up first, median of many runs, and inputs
+rotated through several sets so that repeated runs do not measure the L2 cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+L2_BYTES = 64 << 20  # larger than the H100 (50 MB) and H200 (60 MB) L2
+
+
+def input_sets_for(bytes_per_set: int, at_least: int = 2, at_most: int = 8) -> int:
+    """How many input sets to rotate so that together they exceed the L2 several times."""
+    return max(at_least, min(at_most, -(-4 * L2_BYTES // max(bytes_per_set, 1))))
+
+
+def median_ms(calls: Sequence[Callable[[], object]], warmup: int = 3, iters: int = 30) -> float:
+    """Median device time in ms of one call, cycling through ``calls`` (one per input set)."""
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    ms: float
+    rate: float  # TFLOPS or GB/s
+    unit: str  # "TFLOPS" or "GB/s"
+    target: float  # the floor or target in the same unit
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.rate / self.target
+
+
+def table(rows: Sequence[Row]) -> str:
+    """A Markdown table of ``rows``."""
+    lines = [
+        "| kernel | shape | ms | rate | target | ratio | note |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.kernel} | {r.shape} | {r.ms:.3f} | {r.rate:.1f} {r.unit} | "
+            f"{r.target:.0f} {r.unit} | {r.ratio:.2f} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def commit() -> str:
+    """The commit measured: ``FLASHDSA_COMMIT`` (set by the GPU script, which runs without .git) or git."""
+    if os.environ.get("FLASHDSA_COMMIT"):
+        return os.environ["FLASHDSA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def report(title: str, rows: Sequence[Row], output: str | os.PathLike) -> str:
+    """Print the table and append it, with device, date and commit, to ``output`` (Markdown)."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = f"\n## {title}\n\n{device}, {date}, commit {commit()}, torch {torch.__version__}\n\n{table(rows)}\n"
+    print(section)
+    with Path(output).open("a") as f:
+        f.write(section)
+    return section
