@@ -1,6 +1,7 @@
 """``flashdsa`` command line: each subcommand lives in its own module and is imported on use.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``. Only the chosen
+subcommand's module is imported, so ``flashdsa --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,25 +13,28 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("flashdsa.demo", "run the DSA ops on random data and compare backends"),
+    "demo": ("flashdsa.demo", "run the DSA ops on random data and compare each backend with the reference"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdsa", description=__doc__.splitlines()[0])
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser, with full arguments for ``command`` only (the others list their help line)."""
+    parser = argparse.ArgumentParser(prog="flashdsa", description="flashdsa: DeepSeek Sparse Attention runtime")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
-        p.set_defaults(_module=module)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return importlib.import_module(args._module).run(args) or 0
+    return importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0
 
 
 if __name__ == "__main__":
