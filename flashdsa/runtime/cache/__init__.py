@@ -1,0 +1,92 @@
+"""Paged FP8 caches: byte layouts (``layout``), pools (``pool``), the block allocator
+(``allocator``) and the two cache-write ops below (validation + backend dispatch).
+
+Backends of each write op, registered lazily:
+  reference  flashdsa.runtime.cache.reference:write_mla_cache / :write_indexer_cache
+  triton     flashdsa.runtime.cache.triton.writes:write_mla_cache / :write_indexer_cache
+Backend functions take the same positional arguments (no ``backend``), write in place and must
+skip slots < 0 or >= num_blocks * block_size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime import dispatch
+from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, INDEXER_TOKEN_BYTES, KV_LORA_RANK, MLA_TOKEN_BYTES, ROPE_DIM
+from flashdsa.runtime.checks import check, check_tensor
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+for _op in ("write_mla_cache", "write_indexer_cache"):
+    dispatch.register(_op, "reference", f"flashdsa.runtime.cache.reference:{_op}")
+    dispatch.register(_op, "triton", f"flashdsa.runtime.cache.triton.writes:{_op}")
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """Rows may be strided (e.g. a slice of a fused projection) but each row must be contiguous."""
+    check(t.shape[0] == 0 or t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+def _check_slots(slot_mapping: object, num_tokens: int, cache: torch.Tensor) -> None:
+    """slot_mapping: [T] int64 on the cache's device, every slot < the cache's capacity.
+
+    The range check reads the slots back (one device sync); it is skipped while a CUDA graph is
+    being captured, where backends still skip out-of-range slots instead of writing them.
+    """
+    check_tensor("slot_mapping", slot_mapping, torch.int64, [num_tokens], f"int64 [T={num_tokens}]", cache.device)
+    capacity = cache.shape[0] * cache.shape[1]
+    if num_tokens and not (cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        top = int(slot_mapping.max())
+        check(top < capacity, f"slot_mapping has slot {top}, beyond the cache's {capacity} slots")
+
+
+def write_mla_cache(
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: Optional[str] = None,
+) -> None:
+    """Quantize tokens into the MLA latent cache, in place.
+
+    c_kv: [T, 512] bf16/fp16/fp32, the normalized latent (e4m3 with one amax/448 scale per 128).
+    k_pe: [T, 64] same dtype, the RoPE'd key part (stored as bf16).
+        c_kv and k_pe may be row-strided views (e.g. of one [T, 576] projection); last dim contiguous.
+    kv_cache: [num_blocks, block_size, 1, 656] uint8 pool (layout in ``cache.layout``).
+    slot_mapping: [T] int64, slot ``block_id * block_size + offset`` of each token; slots < 0 are
+        skipped (padding tokens); slots must be distinct.
+    """
+    check_tensor("c_kv", c_kv, FLOATS, [None, KV_LORA_RANK], "bf16/fp16/fp32 [T, 512]", contiguous=False)
+    _check_rows("c_kv", c_kv)
+    num_tokens = c_kv.shape[0]
+    check_tensor("k_pe", k_pe, c_kv.dtype, [num_tokens, ROPE_DIM], f"{c_kv.dtype} [T={num_tokens}, 64]", c_kv.device, False)
+    _check_rows("k_pe", k_pe)
+    check_tensor("kv_cache", kv_cache, torch.uint8, [None, None, 1, MLA_TOKEN_BYTES],
+                 "uint8 [num_blocks, block_size, 1, 656]", c_kv.device)
+    _check_slots(slot_mapping, num_tokens, kv_cache)
+    dispatch.select("write_mla_cache", kv_cache.device, backend)(c_kv, k_pe, kv_cache, slot_mapping)
+
+
+def write_indexer_cache(
+    k: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: Optional[str] = None,
+) -> None:
+    """Hadamard-rotate, quantize (e4m3, power-of-two per-token scale) and store indexer keys, in place.
+
+    k: [T, 128] bf16/fp16/fp32, the indexer keys before the Hadamard rotation.
+    k_cache: [num_blocks, block_size, 1, 132] uint8 pool (per-block layout in ``cache.layout``).
+    slot_mapping: [T] int64 slots as in :func:`write_mla_cache`; slots < 0 are skipped.
+    """
+    check_tensor("k", k, FLOATS, [None, INDEX_HEAD_DIM], "bf16/fp16/fp32 [T, 128]", contiguous=False)
+    _check_rows("k", k)
+    check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
+                 "uint8 [num_blocks, block_size, 1, 132]", k.device)
+    _check_slots(slot_mapping, k.shape[0], k_cache)
+    dispatch.select("write_indexer_cache", k_cache.device, backend)(k, k_cache, slot_mapping)

@@ -1,0 +1,34 @@
+"""Reference (torch) cache writes: quantize each token and scatter it to its slot.
+
+No validation here: the public functions in ``flashdsa.runtime.cache`` check inputs first.
+Slots outside ``[0, num_blocks * block_size)`` are skipped, so nothing is written out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.runtime.cache.layout import indexer_block_views, quantize_indexer_key, quantize_mla
+from flashdsa.runtime.indexer.reference import hadamard_transform
+
+
+def _valid_slots(slot_mapping: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return (slot_mapping >= 0) & (slot_mapping < cache.shape[0] * cache.shape[1])
+
+
+def write_mla_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Pack ``c_kv: [T, 512]`` and ``k_pe: [T, 64]`` into 656-byte tokens at ``slot_mapping: [T]``."""
+    valid = _valid_slots(slot_mapping, kv_cache)
+    tokens = quantize_mla(c_kv[valid], k_pe[valid])
+    kv_cache.view(-1, tokens.shape[-1])[slot_mapping[valid]] = tokens
+
+
+def write_indexer_cache(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Hadamard-rotate ``k: [T, 128]``, quantize with power-of-two scales and scatter to ``slot_mapping: [T]``."""
+    valid = _valid_slots(slot_mapping, k_cache)
+    q, scale = quantize_indexer_key(hadamard_transform(k[valid]))
+    slots = slot_mapping[valid]
+    block, offset = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    keys, scales = indexer_block_views(k_cache)
+    keys[block, offset] = q
+    scales[block, offset] = scale
