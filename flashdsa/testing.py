@@ -1,0 +1,180 @@
+"""Test helpers shared by the CPU and GPU kernel tests (device-agnostic).
+
+- poison: NaN-filled outputs, so an element a kernel forgot to write fails the comparison;
+- FlashMLA-style comparators: elementwise abs-or-rel tolerance plus a cosine-distance bound;
+- random indices with invalid (-1), out-of-range (< -1 or >= s_kv) and duplicate entries;
+- a random FP8 paged MLA cache with a random block table, and position -> slot id mapping;
+- an independent dense sparse-attention oracle (count matrix, float64) for the reference itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, KV_LORA_RANK, ROPE_DIM, quantize_mla
+
+INT32_MAX = 2**31 - 1
+_SAMPLE_ELEMENTS = 2**24  # random scores drawn at once when sampling distinct indices
+
+
+def poisoned(shape: Sequence[int], dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """A tensor whose every element is a value no kernel should produce: NaN for floats,
+    the dtype's maximum for integers."""
+    fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
+    return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """:func:`poisoned` with ``t``'s shape, dtype and device."""
+    return poisoned(t.shape, t.dtype, t.device)
+
+
+def cosine_distance(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """FlashMLA's ``1 - 2 <x, y> / (|x|^2 + |y|^2)`` in float64 (0 when both are zero)."""
+    x, y = got.double().flatten(), ref.double().flatten()
+    denominator = (x * x + y * y).sum()
+    if denominator == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denominator)
+
+
+def assert_flashmla_close(
+    name: str, got: torch.Tensor, ref: torch.Tensor,
+    abs_tol: float = 1e-3, rel_tol: float = 2 / 128, cos_tol: float = 1e-5,
+) -> None:
+    """Assert ``got`` matches ``ref`` the way FlashMLA's tests do.
+
+    Shapes must be equal; non-finite values must match exactly in place and value (NaN never
+    passes); every finite element must be within ``abs_tol`` or ``rel_tol``; and the cosine
+    distance over the finite elements must be <= ``cos_tol``.
+    """
+    assert got.shape == ref.shape, f"{name}: shape {list(got.shape)} != reference {list(ref.shape)}"
+    got, ref = got.double().cpu(), ref.double().cpu()
+    nan = torch.isnan(got) | torch.isnan(ref)
+    assert not nan.any(), f"{name}: {int(nan.sum())} NaN elements, first at {_first(nan)}"
+    finite = torch.isfinite(ref)
+    mismatch = (finite != torch.isfinite(got)) | (~finite & (got != ref))
+    assert not mismatch.any(), f"{name}: non-finite values differ at {int(mismatch.sum())} places, first at {_first(mismatch)}"
+    err = (got - ref).abs().where(finite, 0.0)
+    bad = (err > abs_tol) & (err > rel_tol * ref.abs())
+    if bad.any():
+        at = _first(bad)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{bad.numel()} elements off (abs {abs_tol}, rel {rel_tol}); "
+            f"first at {at}: got {got[at].item()}, ref {ref[at].item()}; max abs err {err.max().item():.3g}"
+        )
+    cos = cosine_distance(got[finite], ref[finite])
+    assert cos <= cos_tol, f"{name}: cosine distance {cos:.3g} > {cos_tol}"
+
+
+def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, name: str = "lse") -> None:
+    """lse tolerance from FlashMLA: abs 1e-6 or rel 8/65536; +inf must match +inf."""
+    assert_flashmla_close(name, got, ref, abs_tol=1e-6, rel_tol=8 / 65536)
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def random_indices(
+    shape: Sequence[int], s_kv: int, *, invalid: float = 0.0, out_of_range: float = 0.0,
+    duplicates: bool = False, generator: Optional[torch.Generator] = None, device="cpu",
+) -> torch.Tensor:
+    """Random int32 indices ``[*shape]`` (last dim = topk) into ``[0, s_kv)``.
+
+    By default each row holds distinct valid indices; when topk > s_kv the row holds all s_kv
+    positions and the rest is -1. ``duplicates`` draws with replacement instead. Then a fraction
+    ``invalid`` of the entries becomes -1, and a fraction ``out_of_range`` becomes a value < -1 or
+    >= s_kv (half each), which a kernel must mask and never dereference.
+    """
+    *lead, topk = shape
+    rows = math.prod(lead)
+    if duplicates and s_kv > 0:
+        idx = torch.randint(0, s_kv, (rows, topk), generator=generator)
+    else:
+        idx = torch.full((rows, topk), -1, dtype=torch.int64)
+        take = min(topk, s_kv)
+        step = max(1, _SAMPLE_ELEMENTS // max(s_kv, 1))
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            scores = torch.rand(n, s_kv, generator=generator)
+            idx[start:start + n, :take] = scores.topk(take, dim=-1).indices
+    idx = idx[:, torch.randperm(topk, generator=generator)] if topk else idx
+    roll = torch.rand(rows, topk, generator=generator)
+    idx = idx.masked_fill(roll < invalid, -1)
+    wild = (roll >= invalid) & (roll < invalid + out_of_range)
+    above = torch.randint(s_kv, INT32_MAX, (rows, topk), generator=generator)
+    below = -torch.randint(2, INT32_MAX, (rows, topk), generator=generator)
+    side = torch.rand(rows, topk, generator=generator) < 0.5
+    idx = torch.where(wild, torch.where(side, above, below), idx)
+    return idx.to(torch.int32).view(*shape).to(device)
+
+
+def random_sparse_inputs(
+    s_q: int, s_kv: int, h_q: int, d_qk: int, topk: int, dtype: torch.dtype = torch.bfloat16, device="cpu",
+    *, generator: Optional[torch.Generator] = None, **index_options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (q ``[s_q, h_q, d_qk]``, kv ``[s_kv, 1, d_qk]``, indices ``[s_q, 1, topk]`` int32) for
+    ``sparse_mla_fwd``; ``index_options`` go to :func:`random_indices`."""
+    q = torch.randn(s_q, h_q, d_qk, generator=generator).to(dtype=dtype, device=device)
+    kv = torch.randn(s_kv, 1, d_qk, generator=generator).to(dtype=dtype, device=device)
+    indices = random_indices((s_q, 1, topk), s_kv, generator=generator, device=device, **index_options)
+    return q, kv, indices
+
+
+def random_mla_cache(
+    num_blocks: int, block_size: int = BLOCK_SIZE, *, generator: Optional[torch.Generator] = None, device="cpu",
+) -> torch.Tensor:
+    """FP8 MLA pool ``[num_blocks, block_size, 1, 656]`` uint8 with every slot holding a random token."""
+    shape = (num_blocks, block_size, 1)
+    c_kv = torch.randn(*shape, KV_LORA_RANK, generator=generator)
+    k_pe = torch.randn(*shape, ROPE_DIM, generator=generator)
+    return quantize_mla(c_kv, k_pe).to(device)
+
+
+def random_block_table(
+    batch: int, blocks_per_seq: int, num_blocks: int, *, generator: Optional[torch.Generator] = None, device="cpu",
+) -> torch.Tensor:
+    """int32 ``[batch, blocks_per_seq]``: distinct pool blocks scattered at random over the pool."""
+    if batch * blocks_per_seq > num_blocks:
+        raise ValueError(f"{batch} x {blocks_per_seq} blocks do not fit in a pool of {num_blocks}")
+    chosen = torch.randperm(num_blocks, generator=generator)[: batch * blocks_per_seq]
+    return chosen.view(batch, blocks_per_seq).to(torch.int32).to(device)
+
+
+def slots_from_positions(positions: torch.Tensor, block_table: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Slot ids (block_id * block_size + offset) of ``positions: [b, ...]`` through ``block_table:
+    [b, max_blocks]``; a position < 0 or beyond the table maps to -1. Returns int32, same shape."""
+    pos = positions.long()
+    capacity = block_table.shape[1] * block_size
+    valid = (pos >= 0) & (pos < capacity)
+    safe = torch.where(valid, pos, 0)
+    table = block_table.long().view(block_table.shape[0], *([1] * (pos.dim() - 2)), -1).expand(*pos.shape[:-1], -1)
+    blocks = torch.gather(table, -1, safe // block_size)
+    return torch.where(valid, blocks * block_size + safe % block_size, -1).to(torch.int32)
+
+
+def dense_sparse_mla(q, kv, indices, sm_scale: float, d_v: int):
+    """Independent oracle for ``sparse_mla_fwd``: dense masked softmax in float64 (differentiable).
+
+    A count matrix ``[s_q, s_kv]`` records how often each query selected each row (duplicates
+    count twice); invalid indices are dropped. Returns (out ``[s_q, h_q, d_v]``, max_logits,
+    lse ``[s_q, h_q]``) in float64, with out 0, max_logits -inf, lse +inf on empty rows.
+    """
+    s_q, s_kv = q.shape[0], kv.shape[0]
+    idx = indices[:, 0].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    counts = torch.zeros(s_q, s_kv + 1, dtype=torch.float64, device=q.device)
+    counts.scatter_add_(1, torch.where(valid, idx, s_kv), valid.double())
+    counts = counts[:, :s_kv].unsqueeze(1)  # [s_q, 1, s_kv]
+    k = kv[:, 0].double()
+    scores = torch.einsum("qhd,kd->qhk", q.double(), k) * sm_scale
+    weighted = scores.masked_fill(counts == 0, float("-inf")) + counts.log()
+    lse = torch.logsumexp(weighted, dim=-1)
+    safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    out = torch.einsum("qhk,kv->qhv", torch.exp(weighted - safe_lse.unsqueeze(-1)), k[:, :d_v])
+    max_logits = scores.masked_fill(counts == 0, float("-inf")).amax(dim=-1) if s_kv else lse.clone()
+    return out, max_logits, lse.masked_fill(lse == float("-inf"), float("inf"))
