@@ -1,0 +1,1 @@
+"""Triton cache-write kernels (registered lazily by ``flashdsa.runtime.cache``)."""

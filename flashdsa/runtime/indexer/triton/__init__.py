@@ -1,0 +1,1 @@
+"""Triton kernels of the lightning indexer (registered lazily by ``flashdsa.runtime.indexer``)."""
