@@ -1,0 +1,217 @@
+"""The engine: requests in, one scheduled forward step at a time, token and text deltas out.
+
+`LLMEngine.step()` schedules a batch (continuous batching, chunked prefill), runs the model,
+samples the sequences whose chunk reached their end, checks the stop conditions and returns a
+`RequestOutput` per request that advanced. Errors stay with their request: a failing forward
+fails the sequences of that step, a failing request fails alone, the engine keeps going.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime.block_manager import BlockManager
+from flashdsa.runtime.detokenizer import Detokenizer
+from flashdsa.runtime.model_runner import ModelRunner, StepLogits
+from flashdsa.runtime.sampler import sample, sampled_logprobs, token_logprobs
+from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from flashdsa.runtime.sequence import BLOCK_SIZE, Sequence, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    num_blocks: Optional[int] = None  # default: cache_fraction of the device memory (CUDA)
+    cache_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request. Latencies (s) are set when they apply."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # on the first output only
+    finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
+    stop_reason: Optional[str | int] = None  # the stop string or stop token id that ended it
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+    ttft: Optional[float] = None
+    itl: Optional[float] = None
+    e2e: Optional[float] = None
+
+
+def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
+    """Blocks for the caches: as configured, else a fraction of free device memory, never more
+    than the running sequences could fill."""
+    ceiling = config.max_num_seqs * -(-max_model_len // BLOCK_SIZE)
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if device.type != "cuda":
+        return min(ceiling, 1024)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free - (1 - config.cache_fraction) * total
+    return max(1, min(ceiling, int(budget // model.cache_bytes_per_block())))
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, config: Optional[EngineConfig] = None) -> None:
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.config.vocab_size
+        max_len = self.config.max_model_len or model.config.max_position_embeddings
+        self.num_blocks = plan_num_blocks(model, self.config, self.device, max_len)
+        if max_len > self.num_blocks * BLOCK_SIZE:
+            logger.warning("max_model_len %d exceeds the cache (%d blocks); using %d", max_len,
+                           self.num_blocks, self.num_blocks * BLOCK_SIZE)
+            max_len = self.num_blocks * BLOCK_SIZE
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(self.num_blocks, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.block_manager
+        )
+        self.runner = ModelRunner(model, self.num_blocks, self.device)
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.last_token_time: dict[str, float] = {}
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """ValueError if the request cannot run here; else its max output tokens. No side effects."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
+        if n + max(max_tokens, 1) > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion)."
+            )
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; ValueError if its prompt or length do not fit the model."""
+        if request_id in self.detokenizers:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, eos)
+        self.detokenizers[request_id] = Detokenizer(
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks (unknown ids are ignored)."""
+        self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        try:
+            step_logits = self.runner.run(chunks)
+        except Exception as exc:  # the whole step failed: fail its requests, keep the engine
+            logger.exception("forward step failed")
+            return [self._fail(c.seq, f"forward failed: {exc}") for c in chunks]
+        outputs = []
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        seqs = [c.seq for _, c in sampling]
+        rows = [step_logits.row_start[i] + step_logits.num_rows[i] - 1 for i, _ in sampling]
+        logits = step_logits.logits[rows]
+        tokens = sample(logits, seqs) if seqs else torch.empty(0, dtype=torch.int64)
+        logprobs = sampled_logprobs(logits, tokens, seqs)
+        for i, chunk in enumerate(chunks):
+            if chunk.seq.wants_prompt_logprobs:
+                self._add_prompt_logprobs(chunk, step_logits, i)
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.register_computed(chunk.seq)
+        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
+            try:
+                outputs.append(self._append_token(seq, token, lp))
+            except Exception as exc:
+                logger.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq, str(exc)))
+        return outputs
+
+    def _add_prompt_logprobs(self, chunk: ScheduledChunk, step_logits: StepLogits, i: int) -> None:
+        seq = chunk.seq
+        count = min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)
+        if chunk.start == 0:
+            seq.prompt_logprobs = [None]
+        if count <= 0:
+            return
+        first = step_logits.row_start[i]
+        targets = torch.tensor(seq.token_ids[chunk.start + 1 : chunk.start + 1 + count], device=self.device)
+        found = token_logprobs(step_logits.logits[first : first + count], targets, [seq.params.prompt_logprobs] * count)
+        seq.prompt_logprobs.extend(found)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: Optional[TokenLogprobs]) -> RequestOutput:
+        seq.append_token(token)
+        params = seq.params
+        if token == seq.eos_token_id and not params.ignore_eos and seq.num_output_tokens > params.min_tokens:
+            seq.finish("stop")
+        elif token in params.stop_token_ids:
+            seq.finish("stop", token)
+        elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish("length")
+        detok = self.detokenizers[seq.request_id]
+        if not (seq.is_finished and seq.finish_reason == "stop"):
+            stop = detok.add_token(token, final=seq.is_finished)
+            if stop is not None:
+                seq.finish("stop", stop)
+        now = time.monotonic()
+        first = seq.num_output_tokens == 1
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=detok.delta(seq.is_finished),
+            finished=seq.is_finished,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            new_logprobs=[logprobs] if logprobs is not None else [],
+            prompt_logprobs=seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            ttft=now - seq.arrival_time if first else None,
+            itl=None if first else now - self.last_token_time[seq.request_id],
+            e2e=now - seq.arrival_time if seq.is_finished else None,
+        )
+        self.last_token_time[seq.request_id] = now
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+            self._forget(seq.request_id)
+        return out
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        self.abort(seq.request_id)
+        seq.finish("error")
+        return RequestOutput(seq.request_id, [], "", True, seq.num_prompt_tokens, seq.num_output_tokens,
+                             finish_reason="error", error=message)
+
+    def _forget(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self.last_token_time.pop(request_id, None)

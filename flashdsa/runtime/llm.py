@@ -1,0 +1,95 @@
+"""Synchronous generation for scripts: ``LLM(path).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from tqdm import tqdm
+
+from flashdsa.runtime.engine import EngineConfig, LLMEngine, RequestOutput
+from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.runtime.sequence import TokenLogprobs
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class Completion:
+    """One of the n choices generated for a prompt."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[str, int]] = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+@dataclass
+class GenerateResult:
+    prompt: Prompt
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+
+
+class LLM:
+    """A model and its engine. ``model`` is a checkpoint directory or a loaded model (then
+    pass its tokenizer); engine options (max_num_seqs, num_blocks, ...) go to EngineConfig."""
+
+    def __init__(
+        self,
+        model: Union[str, Path, torch.nn.Module],
+        tokenizer=None,
+        *,
+        device: str = "cpu",
+        mode: str = "production",
+        **engine_options,
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            from transformers import AutoTokenizer
+
+            from flashdsa.models.loader import load_model
+
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
+            model = load_model(model, device=device, mode=mode)
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
+
+    def generate(
+        self,
+        prompts: Union[Prompt, list[Prompt]],
+        params: Optional[SamplingParams] = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerateResult]:
+        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        results, choices = [], {}
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            result = GenerateResult(prompt, ids, [Completion(j) for j in range(params.n)])
+            for j, completion in enumerate(result.outputs):
+                self.engine.add_request(f"{i}-{j}", ids, params.for_choice(j))
+                choices[f"{i}-{j}"] = (result, completion)
+            results.append(result)
+        with tqdm(total=len(choices), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    result, completion = choices[out.request_id]
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
+                    completion.add(out)
+                    bar.update(int(out.finished))
+        return results

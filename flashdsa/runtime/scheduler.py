@@ -1,0 +1,115 @@
+"""Continuous batching: which tokens of which sequences the next forward step runs.
+
+Every step mixes decode tokens and prefill chunks under one token budget (chunked prefill).
+Running sequences go first, oldest first; each gets its next chunk (1 token when decoding).
+When the cache is out of blocks the newest running sequence is preempted: its blocks are freed
+and it goes back to the front of the waiting queue to be recomputed later (the prefix cache
+usually makes that cheap). Waiting sequences are admitted, in arrival order, while the budget,
+the cap on running sequences and the free blocks allow, and never in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from flashdsa.runtime.block_manager import BlockManager
+from flashdsa.runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 2048  # tokens per forward step at most
+
+
+@dataclass
+class ScheduledChunk:
+    """seq runs tokens [start, start + num_tokens) of seq.token_ids this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the end of the sequence, so the step samples a token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admission)
+        self.prefix_hits = 0  # of which found in it
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+                budget -= num_tokens
+                i += 1
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self.block_manager.acquire_prefix(seq)
+            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+                self.block_manager.free(seq)
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+                self.prefix_queries += seq.num_prompt_tokens
+                self.prefix_hits += seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return chunks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished sequence from the running queue and free its blocks."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+
+    def abort(self, request_id: str) -> Optional[Sequence]:
+        """Remove a request wherever it is, free its blocks; the sequence, or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.finish("abort")
+                    return seq
+        return None

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn): ``flashdsa serve``."""

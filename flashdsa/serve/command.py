@@ -1,0 +1,75 @@
+"""``flashdsa serve --model DIR``: an OpenAI-compatible HTTP server over the engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime.async_engine import AsyncLLM
+from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.serve.app import ServerState, build_app
+from flashdsa.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def make_app(
+    model: torch.nn.Module,
+    tokenizer,
+    model_name: str,
+    config: Optional[EngineConfig] = None,
+    max_queued: int = 1024,
+    api_key: Optional[str] = None,
+):
+    """The FastAPI app serving ``model``; its engine thread starts with the app (lifespan)."""
+    engine = LLMEngine(model, tokenizer, config)
+    metrics = ServerMetrics(engine)
+    llm = AsyncLLM(engine, max_queued=max_queued, on_step=metrics.on_step)
+    return build_app(ServerState(llm, tokenizer, model_name, metrics, api_key))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--mode", default="production", choices=["reference", "production"],
+                        help="precision mode of the model (default production: FP8 caches)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
+    parser.add_argument("--max-model-len", type=int, help="prompt + output tokens at most")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--num-blocks", type=int, help="cache size in 64-token blocks")
+    cache.add_argument("--cache-fraction", type=float, default=0.9,
+                       help="fraction of device memory the process may fill with weights + cache (CUDA)")
+    parser.add_argument("--max-queued", type=int, default=1024, help="queued requests beyond which 503")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from flashdsa.models.loader import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = load_model(args.model, device=args.device, mode=args.mode)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        cache_fraction=args.cache_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    name = args.served_model_name or Path(args.model).name
+    app = make_app(model, tokenizer, name, config, args.max_queued, args.api_key)
+    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
