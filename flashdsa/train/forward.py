@@ -1,0 +1,171 @@
+"""The model's training forward: whole sequences ``[B, L]``, no cache, dense or sparse attention.
+
+It reuses the inference model's own modules and weights (projections, norms, MLP/MoE, indexer
+projections, RoPE), running each layer's MLA in MQA (absorbed) form over the batch flattened to
+T = B * L tokens:
+
+    q = [W_UK^T q_nope ; rope(q_pe)]  [T, H, 576]     kv = [RMSNorm(c_kv) ; rope(k_pe)]  [T, 576]
+    dense:  causal softmax attention of q over the kv of the same sequence
+    sparse: each query attends to the top-k keys of its indexer scores (causal, indices
+            detached) through the sparse kernels' autograd function
+
+The indexer scores every causal key in fp32 without Hadamard or FP8 (the reference computation),
+from detached inputs, so its KL loss trains the indexer alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from flashdsa.models.rope import rope_interleaved, rope_rotate_half
+from flashdsa.train.autograd import sparse_mla_attention
+from flashdsa.train.losses import dense_attention_target, indexer_kl, selected_attention_target
+
+ATTENTION_MODES = ("dense", "sparse")
+
+
+@dataclass
+class TrainOutput:
+    """logits: [B, L, vocab] fp32; indexer_kl: mean over layers of the indexer KL (None if not asked)."""
+
+    logits: torch.Tensor
+    indexer_kl: Optional[torch.Tensor]
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward needs besides its input."""
+
+    batch: int
+    length: int
+    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    attention: str
+    indexer_loss: bool
+    dtype: torch.dtype  # dtype of q and kv handed to attention (bf16 on GPU)
+    backend: Optional[str]
+
+
+def training_forward(
+    model,
+    input_ids: torch.Tensor,
+    attention: str = "dense",
+    indexer_loss: bool = False,
+    checkpointing: bool = False,
+    attention_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
+) -> TrainOutput:
+    """Run ``model`` (a ``DeepseekV32ForCausalLM``) on ``input_ids: [B, L]`` int64 for training.
+
+    attention: "dense" (causal softmax over all keys) or "sparse" (indexer top-k keys).
+    indexer_loss: also return the indexer KL (over all causal keys when dense, the selected ones when sparse).
+    checkpointing: recompute each layer in the backward instead of keeping its activations.
+    attention_dtype: dtype of q/kv in attention (default: bf16 on CUDA, else the weights' dtype).
+    """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+        raise ValueError(f"input_ids must be int64 [B, L], got {input_ids.dtype} {list(input_ids.shape)}")
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).repeat(batch)  # [T]
+    weight_dtype = model.lm_head.weight.dtype
+    default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
+    step = _Step(batch, length, model.rotary.cos_sin(positions), attention, indexer_loss,
+                 attention_dtype or default_dtype, backend)
+    h = model.model.embed_tokens(input_ids.flatten())  # [T, hidden]
+    losses = []
+    for layer in model.model.layers:
+        if checkpointing and torch.is_grad_enabled():
+            h, kl = checkpoint(_layer_forward, layer, h, step, use_reentrant=False)
+        else:
+            h, kl = _layer_forward(layer, h, step)
+        losses.append(kl)
+    logits = model.lm_head(model.model.norm(h)).float().view(batch, length, -1)
+    return TrainOutput(logits, torch.stack(losses).mean() if indexer_loss else None)
+
+
+def _layer_forward(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    attn_out, kl = _mla(layer.self_attn, layer.input_layernorm(h), step)
+    h = h + attn_out
+    return h + layer.mlp(layer.post_attention_layernorm(h)), kl
+
+
+def _mla(attn, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MLA block over x: [T, hidden] -> ([T, hidden], indexer KL scalar or 0)."""
+    c, T, H = attn.config, x.shape[0], attn.n_heads
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))  # [T, q_lora_rank]
+    q_nope, q_pe = attn.q_b_proj(q_resid).view(T, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+    c_kv, k_pe = attn.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    c_kv = attn.kv_a_layernorm(c_kv)  # [T, 512]
+    q_pe, k_pe = rope_interleaved(q_pe, *step.cos_sin), rope_interleaved(k_pe, *step.cos_sin)
+    w_uk, w_uv = attn.kv_b_proj.weight.view(H, -1, c.kv_lora_rank).split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+    q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk.to(q_nope.dtype))  # [T, H, 512]
+    q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.dtype)  # [T, H, 576]
+    kv = torch.cat([c_kv, k_pe.to(c_kv.dtype)], dim=-1).to(step.dtype)  # [T, 576]
+
+    scores = None
+    if step.attention == "sparse" or step.indexer_loss:
+        scores = indexer_scores(attn.indexer, x.detach(), q_resid.detach(), step)  # [B, L, L]
+    kl = x.new_zeros((), dtype=torch.float32)
+    if step.attention == "sparse":
+        local = causal_topk(scores.detach(), c.index_topk)  # [B, L, K] positions, -1 padded
+        offsets = (torch.arange(step.batch, device=x.device) * step.length)[:, None, None]
+        rows = torch.where(local >= 0, local + offsets, -1).view(T, -1).to(torch.int32)  # rows of kv
+        o_lat, lse = sparse_mla_attention(q, kv[:, None], rows[:, None], c.softmax_scale, c.kv_lora_rank, step.backend)
+        if step.indexer_loss:
+            target = selected_attention_target(q.detach(), kv.detach(), rows, lse, c.softmax_scale)
+            selected = scores.view(T, step.length).gather(1, local.view(T, -1).clamp_min(0))
+            kl = indexer_kl(target, selected, rows >= 0)
+    else:
+        o_lat = _dense_attention(q, kv, step, c.softmax_scale, c.kv_lora_rank)
+        if step.indexer_loss:
+            shape = (step.batch, step.length)
+            target = dense_attention_target(q.view(*shape, H, -1), kv.view(*shape, -1), c.softmax_scale)
+            kl = indexer_kl(target, scores, torch.isfinite(scores))
+    o = torch.einsum("thc,hdc->thd", o_lat.to(x.dtype), w_uv.to(x.dtype))  # [T, H, v_head_dim]
+    return attn.o_proj(o.flatten(1)), kl
+
+
+def _dense_attention(q: torch.Tensor, kv: torch.Tensor, step: _Step, scale: float, d_v: int) -> torch.Tensor:
+    """Causal attention of q: [T, H, d_qk] over kv: [T, d_qk] within each sequence -> [T, H, d_v]."""
+    B, L, H = step.batch, step.length, q.shape[1]
+    q = q.view(B, L, H, -1).transpose(1, 2)  # [B, H, L, d_qk]
+    k = kv.view(B, 1, L, -1).expand(B, H, L, kv.shape[-1])
+    out = F.scaled_dot_product_attention(q, k, k[..., :d_v], is_causal=True, scale=scale)
+    return out.transpose(1, 2).reshape(B * L, H, d_v)
+
+
+def indexer_scores(indexer, x: torch.Tensor, q_resid: torch.Tensor, step: _Step) -> torch.Tensor:
+    """Indexer scores of every key for every query: [B, L, L] fp32, -inf where s > t.
+
+    I[t, s] = D^-0.5 * sum_h w_t[h] relu(q_t[h] . k_s) with the model's indexer projections.
+    """
+    B, L, Hi, D, R = step.batch, step.length, indexer.n_heads, indexer.head_dim, indexer.rope_dim
+
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        rot, rest = t.split([R, D - R], dim=-1)
+        return torch.cat([rope_rotate_half(rot, *step.cos_sin), rest], dim=-1)
+
+    q = rope(indexer.wq_b(q_resid).view(B * L, Hi, D)).view(B, L, Hi, D).float()
+    k = rope(indexer.k_norm(indexer.wk(x))).view(B, L, D).float()
+    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float().view(B, L, Hi) * Hi**-0.5
+    dots = F.relu(torch.einsum("bthd,bsd->bths", q, k) * D**-0.5)  # [B, L, Hi, L]
+    scores = torch.einsum("bth,bths->bts", w, dots)
+    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+    return scores.masked_fill(~causal, float("-inf"))
+
+
+def causal_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Positions of the ``topk`` best causal scores per query: [B, L, L] -> [B, L, topk] int64, -1 padded.
+
+    Always ``topk`` columns (the sparse kernels want a fixed width); query t has min(topk, t+1) valid.
+    Ties go to the lower position (a stable sort), as in the inference indexer's top-k.
+    """
+    k = min(topk, scores.shape[-1])
+    values, positions = scores.sort(dim=-1, descending=True, stable=True)
+    positions = positions[..., :k].masked_fill(torch.isinf(values[..., :k]), -1)
+    return F.pad(positions, (0, topk - k), value=-1)

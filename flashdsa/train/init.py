@@ -1,0 +1,24 @@
+"""Fresh weights for training a model from scratch (the loader fills them from a checkpoint otherwise)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Normal(0, std) for matrices and embeddings, scaled by 1/sqrt(2 * layers) for the residual
+    outputs (o_proj, down_proj); ones for norm weights; zeros for biases and routing corrections."""
+    generator = torch.Generator().manual_seed(seed)
+    depth = len(model.model.layers)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("norm.weight"):
+            value = torch.ones(tensor.shape)
+        elif tensor.dim() < 2:
+            value = torch.zeros(tensor.shape)
+        else:
+            scale = std / (2 * depth) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            value = torch.randn(tensor.shape, generator=generator) * scale
+        tensor.copy_(value.to(tensor.dtype))
+    return model

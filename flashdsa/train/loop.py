@@ -1,0 +1,201 @@
+"""The training loop for the DSA stages: AdamW, warm-up + cosine schedule, clipping, eval, resume.
+
+Stages (DeepSeek-V3.2's recipe, plus ``dense`` for training a model from scratch first):
+  dense   dense attention, language-model loss; every weight but the indexer trains
+  warmup  dense attention, indexer KL to the main attention over all causal keys; only the
+          indexer trains
+  sparse  top-k attention through the sparse kernels; LM loss for the model plus the indexer
+          KL over the selected keys, the indexer's inputs detached, so each learns from its own loss
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from flashdsa.train import checkpoint as ckpt
+from flashdsa.train.data import TokenBatches, eval_batches
+from flashdsa.train.forward import training_forward
+from flashdsa.train.losses import lm_loss
+from flashdsa.train.plot import save_loss_png
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("dense", "warmup", "sparse")
+LOG_FILE, PLOT_FILE = "log.jsonl", "loss.png"
+
+
+@dataclass
+class TrainConfig:
+    stage: str
+    steps: int
+    lr: float = 3e-4
+    seq_len: int = 512
+    batch_tokens: int = 8192
+    warmup_steps: Optional[int] = None  # default: 5% of steps, at most 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    kl_weight: float = 1.0
+    eval_every: int = 100
+    eval_tokens: int = 32768
+    save_every: int = 0  # 0: only at the end
+    checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.steps < 1 or self.seq_len < 2 or self.batch_tokens < self.seq_len:
+            raise ValueError(f"need steps >= 1, seq_len >= 2, batch_tokens >= seq_len; got {self.steps}, "
+                             f"{self.seq_len}, {self.batch_tokens}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch_tokens // self.seq_len
+
+    @property
+    def attention(self) -> str:
+        return "sparse" if self.stage == "sparse" else "dense"
+
+
+def set_trainable(model, stage: str) -> list[torch.nn.Parameter]:
+    """Freeze/unfreeze by stage; returns the trainable parameters."""
+    for name, p in model.named_parameters():
+        is_indexer = ".indexer." in name
+        p.requires_grad_({"dense": not is_indexer, "warmup": is_indexer, "sparse": True}[stage])
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
+    """AdamW (decay on matrices only) and a linear warm-up + cosine decay to ``min_lr_ratio * lr``."""
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else min(100, cfg.steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
+    """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "indexer_kl"} (the last two when the stage has them)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
+        out = training_forward(model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
+                               checkpointing=cfg.checkpointing)
+    losses = {}
+    if cfg.stage != "warmup":
+        losses["lm_loss"] = lm_loss(out.logits, batch[:, 1:])
+    if out.indexer_kl is not None:
+        losses["indexer_kl"] = out.indexer_kl
+    losses["loss"] = losses.get("lm_loss", 0.0) + cfg.kl_weight * losses.get("indexer_kl", 0.0)
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model, batches: list[torch.Tensor], cfg: TrainConfig, device) -> dict[str, float]:
+    """Mean held-out losses, named ``eval_<loss>``."""
+    totals: dict[str, float] = {}
+    for batch in batches:
+        for name, value in compute_losses(model, batch.to(device), cfg).items():
+            totals[name] = totals.get(name, 0.0) + float(value) / len(batches)
+    return {f"eval_{name}": value for name, value in totals.items()}
+
+
+class Trainer:
+    """Runs one stage on ``model`` (fp32 weights) and writes checkpoints, log and plot to ``output_dir``."""
+
+    def __init__(self, model, train_tokens, eval_tokens, cfg: TrainConfig, output_dir, tokenizer_dir, device):
+        self.model, self.cfg, self.device = model, cfg, torch.device(device)
+        self.output_dir, self.tokenizer_dir = Path(output_dir), tokenizer_dir
+        self.params = set_trainable(model, cfg.stage)
+        self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
+        self.batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+        self.eval_set = eval_batches(eval_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens)
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return {"step": self.step, "config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
+                "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"]["stage"] != self.cfg.stage:
+            raise ValueError(f"cannot resume a {state['config']['stage']!r} run as stage {self.cfg.stage!r}")
+        self.step = state["step"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self._truncate_log()
+
+    def train(self) -> dict[str, float]:
+        """Run from ``self.step`` to ``cfg.steps``; returns the last eval losses."""
+        cfg, metrics = self.cfg, {}
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)
+        while self.step < cfg.steps:
+            started = time.perf_counter()
+            losses = compute_losses(self.model, next(self.batches).to(self.device), cfg)
+            losses["loss"].backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            record = {"step": self.step, "stage": cfg.stage, "lr": self.scheduler.get_last_lr()[0],
+                      **{k: float(v.detach()) for k, v in losses.items()}, "grad_norm": float(grad_norm)}
+            record["tokens_per_s"] = cfg.batch_size * cfg.seq_len / (time.perf_counter() - started)
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                metrics = evaluate(self.model, self.eval_set, cfg, self.device)
+                record.update(metrics)
+            self._log(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4f}" for k, v in metrics.items()})
+            bar.update(1)
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                self.save_checkpoint()
+        bar.close()
+        self.save_checkpoint()
+        self.plot()
+        return metrics
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.save_training_checkpoint(self.model, self.state_dict(), self.output_dir, self.step, self.tokenizer_dir)
+
+    def _log(self, record: dict) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        with (self.output_dir / LOG_FILE).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _truncate_log(self) -> None:
+        """Drop log lines past the resumed step (written after the checkpoint by an interrupted run)."""
+        path = self.output_dir / LOG_FILE
+        if path.is_file():
+            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            path.write_text("".join(line + "\n" for line in lines))
+
+    def plot(self) -> None:
+        """loss.png: training and held-out losses of the log, by step."""
+        records = [json.loads(line) for line in (self.output_dir / LOG_FILE).read_text().splitlines()]
+        series = []
+        colors = {"loss": (200, 40, 40), "eval_loss": (40, 40, 200), "eval_indexer_kl": (30, 150, 30)}
+        for key, color in colors.items():
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                series.append((key.replace("_", " "), points, color))
+        save_loss_png(self.output_dir / PLOT_FILE, series)

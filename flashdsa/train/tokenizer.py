@@ -1,0 +1,50 @@
+"""Byte-level BPE tokenizer training (``tokenizers``), saved in the HF layout ``AutoTokenizer`` loads.
+
+Byte-level means every byte string is encodable (no unknown token) and decoding is lossless.
+Ids 0, 1, 2 are the special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` (the model config's
+bos/eos/pad ids). The chat template puts each message's content on its own line, so a chat prompt
+reads like the plain text the small models are trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir: str | Path) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``; write tokenizer files to ``output_dir``."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(output_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (output_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return output_dir
+

@@ -1,0 +1,53 @@
+"""Tiny DSA checkpoints and a synthetic corpus for the training tests (no shared data needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.train.checkpoint import save_model
+from flashdsa.train.init import initialize
+from flashdsa.train.tokenizer import train_bpe_tokenizer
+
+WORDS = "the a king queen lord speak hear my good sir thou art not what is love night day come go".split()
+
+
+def synthetic_text(lines: int = 400, seed: int = 0) -> str:
+    """Speaker-and-line text with some structure (so a tiny model can lower its loss quickly)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        speaker = rng.choice(["KING", "QUEEN", "LORD"])
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
+        out.append(f"{speaker}:\n{' '.join(words).capitalize()}.\n")
+    return "\n".join(out)
+
+
+def tiny_config(vocab_size: int, index_topk: int = 8) -> DeepseekV32Config:
+    """Two layers (one dense MLP, one MoE), every width small; topk below the test sequence length."""
+    return DeepseekV32Config(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, index_n_heads=4, index_head_dim=16, index_topk=index_topk,
+        max_position_embeddings=256, eos_token_id=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text(synthetic_text())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, corpus):
+    path = tmp_path_factory.mktemp("tiny_model")
+    train_bpe_tokenizer([corpus.read_text()], 300, path)
+    model = initialize(DeepseekV32ForCausalLM(tiny_config(300), mode="reference"), seed=0, std=0.1)
+    save_model(model, path, dtype=None)
+    return path
