@@ -15,7 +15,6 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("flashdsa.demo", "run the DSA ops on random data and compare each backend with the reference"),
     "finetune": ("flashdsa.train.finetune", "train a DSA model: dense warm-up of the indexer, then sparse training"),
-    "finetune": ("flashdsa.train.finetune", "train a DSA model: dense warm-up of the indexer, then sparse training"),
     "serve": ("flashdsa.serve.command", "serve a model over an OpenAI-compatible HTTP API"),
 }
 
