@@ -53,3 +53,14 @@ def mma(a, b, acc, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def to_bf16(x, INTERPRET: tl.constexpr):
+    """Round fp32 to bf16, to nearest even. The GPU's conversion does that; the interpreter's
+    truncates (triton 3.6), so there we round the bits first and the truncation becomes exact."""
+    if INTERPRET:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from flashdsa.runtime.dispatch import interpreting
-from flashdsa.runtime.kernels.triton._gather import LOG2E, NOPE, gather_kv, head_blocking, load_heads, mma
+from flashdsa.runtime.kernels.triton._gather import LOG2E, NOPE, gather_kv, head_blocking, load_heads, mma, to_bf16
 
 LN2 = 0.6931471805599453
 
@@ -49,13 +49,13 @@ def _sparse_fwd_kernel(
         alpha = tl.math.exp2(m - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = mma(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], INTERPRET)
+        acc = mma(to_bf16(p, INTERPRET), k_nope, acc * alpha[:, None], INTERPRET)
         m = m_new
 
     has_any = l > 0.0
     out = acc / tl.where(has_any, l, 1.0)[:, None]
     o_ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + tl.arange(0, NOPE)[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+    tl.store(o_ptrs, to_bf16(out, INTERPRET), mask=head_mask[:, None])
     lse = tl.where(has_any, (m + tl.math.log2(tl.where(has_any, l, 1.0))) * LN2, float("inf"))
     stat = token * h_q + heads
     tl.store(lse_ptr + stat, lse, mask=head_mask)

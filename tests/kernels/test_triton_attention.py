@@ -1,0 +1,195 @@
+"""Triton sparse MLA forward and backward against the reference backend.
+
+GPU tests (marked ``gpu``) walk grids of heads, widths, top-k and query counts plus corner cases
+and a long context; outputs land in poisoned (NaN) memory. The CPU test runs a few tiny cases of
+the same checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported there,
+so other test files in this pytest run keep the normal triton).
+
+Backward tolerance: the kernel rounds P and dS to bf16 before its matrix products (as FlashMLA
+and FlashAttention do) and returns bf16, so each element carries ~2^-9 relative error from
+several roundings summed over up to topk terms: we allow 2/128 relative or 5% of the reference's
+RMS absolute per element, and a cosine distance of 1e-4 over the tensor (a single lost or extra
+contribution breaks the latter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdsa.runtime.kernels import reference, sparse_mla_bwd, sparse_mla_fwd
+from flashdsa.testing import assert_flashmla_close, assert_lse_close, random_sparse_inputs
+
+D_V = 512
+SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
+POISON_BYTES = 256 << 20
+
+
+def poison_allocator(device: torch.device) -> None:
+    """Leave NaN in the CUDA caching allocator's free blocks, so outputs the kernels allocate
+    with ``torch.empty`` start poisoned (an element they forget to write fails as NaN)."""
+    if device.type == "cuda":
+        torch.full((POISON_BYTES // 4,), float("nan"), device=device)
+
+
+def check_fwd(q, kv, indices, sm_scale=None, out_abs_tol=1e-3):
+    """Triton forward vs the reference on fp32 copies of the same inputs (FlashMLA tolerances)."""
+    sm_scale = sm_scale or q.shape[-1] ** -0.5
+    poison_allocator(q.device)
+    out, max_logits, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
+    ref = reference.sparse_mla_fwd(q.float(), kv.float(), indices, sm_scale, D_V)
+    assert out.dtype == q.dtype and max_logits.dtype == lse.dtype == torch.float32
+    assert_flashmla_close("out", out, ref[0], abs_tol=out_abs_tol)
+    assert_lse_close(max_logits, ref[1], "max_logits")
+    assert_lse_close(lse, ref[2])
+    return out, max_logits, lse
+
+
+def assert_grad_close(name, got, ref):
+    rms = ref.double().pow(2).mean().sqrt().item()
+    assert_flashmla_close(name, got, ref, abs_tol=0.05 * rms, rel_tol=2 / 128, cos_tol=1e-4)
+
+
+def check_bwd(q, kv, indices, deterministic=False):
+    """Triton backward vs the reference backward given the same out, dout and lse."""
+    sm_scale = q.shape[-1] ** -0.5
+    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
+    dout = torch.randn_like(out)
+    poison_allocator(q.device)
+    dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, D_V,
+                             deterministic=deterministic, backend="triton")
+    ref_dq, ref_dkv = reference.sparse_mla_bwd(q.float(), kv.float(), out.float(), dout.float(), lse, indices,
+                                               sm_scale, D_V)
+    assert dq.dtype == dkv.dtype == q.dtype
+    assert_grad_close("dq", dq, ref_dq)
+    assert_grad_close("dkv", dkv, ref_dkv)
+    return out, dout, lse, dkv
+
+
+def inputs(s_q, s_kv, h_q, d_qk, topk, device, scale=0.1, **options):
+    """Random bf16 inputs; q and kv scaled by 1/10 as in FlashMLA's tests, whose tolerances assume it."""
+    g = torch.Generator().manual_seed(SEED + s_q * 7919 + h_q * 31 + topk)
+    q, kv, indices = random_sparse_inputs(s_q, s_kv, h_q, d_qk, topk, torch.float32, generator=g, **options)
+    return (q * scale).to(device, torch.bfloat16), (kv * scale).to(device, torch.bfloat16), indices.to(device)
+
+
+# (h_q, d_qk, topk) grid; s_q cycles through 1, 62 and an odd count; some contexts shorter than topk
+FWD_GRID = [(h, d, k, (1, 62, 37)[i % 3], (4096, 300)[i % 5 == 4])
+            for i, (h, d, k) in enumerate(itertools.product((16, 64, 128, 7), (512, 576), (64, 512, 2048)))]
+BWD_GRID = [(16, 576, 64, 62, 1000), (64, 512, 512, 37, 4096), (128, 576, 2048, 5, 8192), (7, 576, 128, 1, 100),
+            (128, 576, 256, 62, 2000)]
+BAD_INDICES = [dict(invalid=0.3), dict(out_of_range=0.3), dict(duplicates=True),
+               dict(invalid=0.2, out_of_range=0.2, duplicates=True)]
+
+gpu = pytest.mark.gpu
+cuda = torch.device("cuda")
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", FWD_GRID)
+def test_fwd_matches_reference(h_q, d_qk, topk, s_q, s_kv):
+    check_fwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda))
+
+
+@gpu
+@pytest.mark.parametrize("options", BAD_INDICES)
+def test_fwd_masks_invalid_and_counts_duplicate_indices(options):
+    check_fwd(*inputs(33, 500, 128, 576, 256, cuda, **options))
+
+
+@gpu
+def test_fwd_rows_without_valid_index_give_zero_out_and_inf_lse():
+    q, kv, indices = inputs(8, 700, 64, 576, 128, cuda, invalid=0.1)
+    indices[2] = -1
+    indices[5] = torch.tensor([700, -7] * 64, dtype=torch.int32)
+    out, max_logits, lse = check_fwd(q, kv, indices)
+    assert torch.equal(out[[2, 5]], torch.zeros_like(out[[2, 5]]))
+    assert torch.isposinf(lse[[2, 5]]).all() and torch.isneginf(max_logits[[2, 5]]).all()
+
+
+@gpu
+def test_fwd_empty_cache_gives_empty_rows():
+    q, kv, indices = inputs(3, 0, 16, 512, 64, cuda, out_of_range=0.5)
+    out, max_logits, lse = check_fwd(q, kv, indices)
+    assert not out.any() and torch.isposinf(lse).all() and torch.isneginf(max_logits).all()
+
+
+@gpu
+@pytest.mark.parametrize("sm_scale", [576 ** -0.5, 0.3])
+def test_fwd_peaked_softmax_rescales_running_max(sm_scale):
+    """Unscaled inputs: scores of std 1 to 7 make the running max move a lot between steps.
+    P rounded to bf16 then errs up to ~4e-3 absolute on outputs of magnitude ~1."""
+    check_fwd(*inputs(45, 3000, 128, 576, 1024, cuda, scale=1.0), sm_scale=sm_scale, out_abs_tol=4e-3)
+
+
+@gpu
+def test_fwd_long_context():
+    check_fwd(*inputs(64, 65536, 128, 576, 2048, cuda))
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", BWD_GRID)
+def test_bwd_matches_reference(h_q, d_qk, topk, s_q, s_kv):
+    check_bwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.05))
+
+
+@gpu
+@pytest.mark.parametrize("options", BAD_INDICES)
+def test_bwd_masks_invalid_and_counts_duplicate_indices(options):
+    check_bwd(*inputs(21, 300, 64, 576, 128, cuda, **options))
+
+
+@gpu
+def test_bwd_long_context():
+    check_bwd(*inputs(16, 65536, 128, 576, 2048, cuda))
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512)])
+def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk):
+    q, kv, indices = inputs(40, 200, h_q, d_qk, 256, cuda, duplicates=True, invalid=0.1)
+    out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True)
+    for _ in range(2):
+        _, again = sparse_mla_bwd(q, kv, out, dout, lse, indices, d_qk ** -0.5, D_V, deterministic=True,
+                                  backend="triton")
+        assert torch.equal(again, dkv)
+
+
+INTERPRETER_CASES = [  # (s_q, s_kv, h_q, d_qk, topk, index options): tiny, the interpreter is slow
+    (3, 100, 16, 576, 64, dict(invalid=0.2)),
+    (2, 50, 20, 512, 128, dict(out_of_range=0.3, duplicates=True)),
+    (1, 30, 80, 576, 64, {}),  # two head blocks, the second padded; topk > s_kv
+]
+
+
+def run_interpreter_cases() -> None:
+    """The CPU checks, run in a process with TRITON_INTERPRET=1 (see test_kernels_under_interpreter)."""
+    cpu = torch.device("cpu")
+    for s_q, s_kv, h_q, d_qk, topk, options in INTERPRETER_CASES:
+        q, kv, indices = inputs(s_q, s_kv, h_q, d_qk, topk, cpu, **options)
+        check_fwd(q, kv, indices)
+        out, dout, lse, dkv = check_bwd(q, kv, indices)
+        _, det = sparse_mla_bwd(q, kv, out, dout, lse, indices, d_qk ** -0.5, D_V, deterministic=True,
+                                backend="triton")
+        assert_grad_close("deterministic dkv", det, dkv.float())
+    check_fwd(*inputs(2, 90, 16, 576, 128, cpu, scale=1.0), out_abs_tol=4e-3)  # peaked softmax
+    q, kv, indices = inputs(2, 0, 16, 576, 64, cpu)  # empty cache
+    out, max_logits, lse = check_fwd(q, kv, indices)
+    assert not out.any() and torch.isposinf(lse).all() and torch.isneginf(max_logits).all()
+
+
+def test_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(2)
+    run_interpreter_cases()
