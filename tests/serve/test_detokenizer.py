@@ -1,0 +1,58 @@
+"""Incremental detokenization: whole characters only, stop strings cut and held back."""
+
+import pytest
+from fake_model import make_tokenizer
+
+from flashdsa.runtime.detokenizer import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def byte_token_ids(tok, text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet), so characters split across tokens."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [tok.convert_tokens_to_ids(chars[b]) for b in text.encode("utf-8")]
+
+
+def test_multibyte_characters_are_released_only_when_complete(tok):
+    text = "aé日本語🙂 z"
+    ids = byte_token_ids(tok, text)
+    assert len(ids) > len(text)
+    detok = Detokenizer(tok, [5, 6], stop=[])
+    released = []
+    for i, t in enumerate(ids):
+        detok.add_token(t, final=i == len(ids) - 1)
+        piece = detok.delta(finished=False)
+        assert "\ufffd" not in piece
+        released.append(piece)
+    assert "".join(released) + detok.delta(finished=True) == text
+    assert released[1] == "" and released[2] == "é"  # é is two bytes
+
+
+def test_stop_string_cuts_the_text_and_is_held_back_while_streaming(tok):
+    ids = tok.encode("the quick brown fox", add_special_tokens=False)
+    detok = Detokenizer(tok, [], stop=["brown", "zzz"])
+    streamed, stop = "", None
+    for t in ids:
+        stop = detok.add_token(t)
+        streamed += detok.delta(finished=stop is not None)
+        assert not streamed.endswith("b") or stop is not None  # a possible stop start is held back
+        if stop:
+            break
+    assert stop == "brown" and streamed == "the quick " == detok.text
+
+
+def test_include_stop_str_keeps_it(tok):
+    detok = Detokenizer(tok, [], stop=["fox"], include_stop=True)
+    for t in tok.encode("the fox jumps", add_special_tokens=False):
+        if detok.add_token(t):
+            break
+    assert detok.text == "the fox"
