@@ -80,6 +80,7 @@ def test_slot_mapping_worked_example():
     slots = slot_mapping([7, 2, 5], [0, 63, 64, 130, 191], block_size=64)
     assert slots.dtype == torch.int64
     assert slots.tolist() == [7 * 64, 7 * 64 + 63, 2 * 64, 5 * 64 + 2, 5 * 64 + 63]
+    assert slot_mapping([7], []).tolist() == []
 
 
 @settings(max_examples=40, deadline=None)

@@ -4,6 +4,7 @@ e4m3) first, so a missing write or a stray write fails."""
 import pytest
 import torch
 
+from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache import layout, write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
 from flashdsa.runtime.indexer import hadamard_transform
@@ -123,3 +124,16 @@ def test_write_indexer_cache_rejects_bad_input_naming_it(name, bad):
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         write_indexer_cache(**INDEXER_OK, backend="fastest")
+
+
+def test_both_writes_have_reference_and_triton_backends_registered():
+    assert dispatch.available("write_mla_cache") == dispatch.available("write_indexer_cache") == ["triton", "reference"]
+
+
+def test_pools_have_the_layout_shapes_and_start_zeroed():
+    assert mla_pool(3, "cpu").shape == (3, 64, 1, 656) and indexer_pool(2, "cpu", block_size=16).shape == (2, 16, 1, 132)
+    assert not mla_pool(2, "cpu").any() and indexer_pool(1, "cpu").dtype == torch.uint8
+    with pytest.raises(ValueError, match="num_blocks"):
+        mla_pool(0, "cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        indexer_pool(1, "cpu", block_size=0)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flashdsa.runtime import dispatch
 from flashdsa.runtime.indexer import hadamard_transform
 
 
@@ -57,3 +58,8 @@ def test_leaves_bf16_scores_unchanged_up_to_rounding():
 def test_rejects_bad_input_naming_x(bad):
     with pytest.raises(ValueError, match="x"):
         hadamard_transform(bad)
+
+
+def test_every_indexer_op_has_reference_and_triton_backends_registered():
+    ops = ("hadamard_transform", "indexer_logits", "indexer_logits_paged", "indexer_topk", "indexer_fused_topk")
+    assert all(dispatch.available(op) == ["triton", "reference"] for op in ops)

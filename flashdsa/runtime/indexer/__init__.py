@@ -14,7 +14,7 @@ function's arguments positionally, already validated, with ``starts``/``ends`` a
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_topk
   indexer_fused_topk     reference  flashdsa.runtime.indexer.reference:indexer_fused_topk
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_fused_topk
-Triton support check: head_dim == 128 for every op but indexer_topk.
+Triton support check (facts ``head_dim``, ``dtype``, ``topk``): head_dim 128 and no float64 input.
 """
 
 from __future__ import annotations
@@ -37,13 +37,17 @@ _TRITON_MODULE = {
 }
 
 
-def _triton_head_dim(head_dim: int = INDEX_HEAD_DIM, **_) -> Optional[str]:
-    return None if head_dim == INDEX_HEAD_DIM else f"triton indexer kernels need head_dim 128, got {head_dim}"
+def _triton_supports(head_dim: int = INDEX_HEAD_DIM, dtype: Optional[torch.dtype] = None, **_) -> Optional[str]:
+    if head_dim != INDEX_HEAD_DIM:
+        return f"triton indexer kernels need head_dim 128, got {head_dim}"
+    if dtype == torch.float64:
+        return "triton indexer kernels take bf16/fp16/fp32, not float64"
+    return None
 
 
 for _op, _module in _TRITON_MODULE.items():
     dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
-    dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_head_dim)
+    dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
 
 
 def _can_read_back(device: torch.device) -> bool:
@@ -81,7 +85,7 @@ def hadamard_transform(x: torch.Tensor, *, backend: Optional[str] = None) -> tor
     _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32, torch.float64), "bf16/fp16/fp32/fp64 [..., n]")
     n = x.shape[-1]
     check(n > 0 and n & (n - 1) == 0, f"x's last dim must be a power of two, got {n}")
-    return dispatch.select("hadamard_transform", x.device, backend, head_dim=n)(x)
+    return dispatch.select("hadamard_transform", x.device, backend, head_dim=n, dtype=x.dtype)(x)
 
 
 def quantize_indexer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
