@@ -57,7 +57,8 @@ def assert_flashmla_close(
     assert not nan.any(), f"{name}: {int(nan.sum())} NaN elements, first at {_first(nan)}"
     finite = torch.isfinite(ref)
     mismatch = (finite != torch.isfinite(got)) | (~finite & (got != ref))
-    assert not mismatch.any(), f"{name}: non-finite values differ at {int(mismatch.sum())} places, first at {_first(mismatch)}"
+    assert not mismatch.any(), (
+        f"{name}: non-finite values differ at {int(mismatch.sum())} places, first at {_first(mismatch)}")
     err = (got - ref).abs().where(finite, 0.0)
     bad = (err > abs_tol) & (err > rel_tol * ref.abs())
     if bad.any():
@@ -145,7 +146,9 @@ def random_block_table(
     return chosen.view(batch, blocks_per_seq).to(torch.int32).to(device)
 
 
-def slots_from_positions(positions: torch.Tensor, block_table: torch.Tensor, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+def slots_from_positions(
+    positions: torch.Tensor, block_table: torch.Tensor, block_size: int = BLOCK_SIZE,
+) -> torch.Tensor:
     """Slot ids (block_id * block_size + offset) of ``positions: [b, ...]`` through ``block_table:
     [b, max_blocks]``; a position < 0 or beyond the table maps to -1. Returns int32, same shape."""
     pos = positions.long()

@@ -36,7 +36,7 @@ def test_bwd_equals_autograd_of_reference_fwd(d_v, options):
     dq, dkv = reference.sparse_mla_bwd(q, kv, out, dout, lse64, indices, sm_scale, d_v)
     torch.testing.assert_close(dq, dq_want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(dkv, dkv_want, rtol=1e-10, atol=1e-12)
-    lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v)[2]
+    lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v, backend="reference")[2]
     dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, d_v, backend="reference")
     torch.testing.assert_close(dq, dq_want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dkv, dkv_want, rtol=1e-5, atol=1e-6)
@@ -59,9 +59,9 @@ def test_bwd_bf16_matches_float64_within_flashmla_tolerance():
     g = torch.Generator().manual_seed(3)
     q, kv, indices = random_sparse_inputs(9, 300, 16, 576, 128, torch.bfloat16, generator=g, invalid=0.1)
     sm_scale, d_v = 576**-0.5, 512
-    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v)
+    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v, backend="reference")
     dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
-    dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, d_v)
+    dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, d_v, backend="reference")
     assert dq.dtype == dkv.dtype == torch.bfloat16 and dkv.shape == kv.shape
     dq64, dkv64 = reference.sparse_mla_bwd(q.double(), kv.double(), out.double(), dout.double(), lse, indices,
                                            sm_scale, d_v)
@@ -74,19 +74,19 @@ def test_bwd_bf16_matches_float64_within_flashmla_tolerance():
 
 def test_bwd_with_empty_cache_gives_zero_dq_and_empty_dkv():
     q, kv, indices = tiny_case(4, s_kv=0, out_of_range=0.5)
-    out, _, lse = sparse_mla_fwd(q, kv, indices, 0.3, 16)
-    dq, dkv = sparse_mla_bwd(q, kv, out, torch.randn_like(out), lse, indices, 0.3, 16)
+    out, _, lse = sparse_mla_fwd(q, kv, indices, 0.3, 16, backend="reference")
+    dq, dkv = sparse_mla_bwd(q, kv, out, torch.randn_like(out), lse, indices, 0.3, 16, backend="reference")
     assert torch.equal(dq, torch.zeros_like(q)) and dkv.shape == (0, 1, 24)
 
 
 def test_bwd_chunking_and_determinism():
     q, kv, indices = tiny_case(5, s_q=11, **BAD_INDICES)
-    out, _, lse = sparse_mla_fwd(q, kv, indices, 0.3, 16)
+    out, _, lse = sparse_mla_fwd(q, kv, indices, 0.3, 16, backend="reference")
     dout = torch.randn_like(out)
     args = (q, kv, out, dout, lse, indices, 0.3, 16)
     whole = reference.sparse_mla_bwd(*args, chunk=11)
     for a, b in zip(reference.sparse_mla_bwd(*args, chunk=3), whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    first = sparse_mla_bwd(*args, deterministic=True)
-    second = sparse_mla_bwd(*args, deterministic=True)
+    first = sparse_mla_bwd(*args, deterministic=True, backend="reference")
+    second = sparse_mla_bwd(*args, deterministic=True, backend="reference")
     assert all(torch.equal(a, b) for a, b in zip(first, second))

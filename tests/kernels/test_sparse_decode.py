@@ -34,11 +34,12 @@ def decode_case(b, s_q, h_q, topk, blocks_per_seq, num_blocks, dtype, seed, **op
 def test_decode_equals_fwd_on_dequantized_pool(s_q, dtype):
     q, pool, _, _, slots = decode_case(3, s_q, 16, 128, 2, 9, dtype, seed=s_q, invalid=0.2)
     slots[0, 0, :5] = torch.tensor([-7, 9 * BLOCK_SIZE, 2**31 - 1, -1, 9 * BLOCK_SIZE - 1])  # bad ids + last slot
-    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE)
+    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="reference")
     assert out.shape == (3, s_q, 16, 512) and out.dtype == dtype and lse.shape == (3, 16, s_q)
     flat_kv = dequantize_mla(pool.view(-1, MLA_TOKEN_BYTES)).unsqueeze(1)  # fp32, as decode reads it
     for i in range(3):
-        ref_out, _, ref_lse = sparse_mla_fwd(q[i].float(), flat_kv, slots[i].unsqueeze(1), SM_SCALE)
+        ref_out, _, ref_lse = sparse_mla_fwd(q[i].float(), flat_kv, slots[i].unsqueeze(1), SM_SCALE,
+                                             backend="reference")
         assert_flashmla_close("out", out[i], ref_out)
         assert_lse_close(lse[i], ref_lse.T)
 
@@ -47,7 +48,7 @@ def test_decode_matches_dense_oracle_on_each_sequences_tokens():
     h_q = 128
     q, pool, table, positions, slots = decode_case(2, 2, h_q, 256, 3, 10, torch.float32, seed=9, out_of_range=0.2,
                                                    duplicates=True)
-    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE)
+    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="reference")
     for i in range(2):
         seq_kv = dequantize_mla(pool[table[i].long()].view(-1, MLA_TOKEN_BYTES)).unsqueeze(1)  # position order
         ref_out, _, ref_lse = dense_sparse_mla(q[i], seq_kv, positions[i].unsqueeze(1), SM_SCALE, 512)
@@ -59,7 +60,7 @@ def test_decode_rows_without_valid_slot_give_zero_out_and_inf_lse():
     q, pool, _, _, slots = decode_case(2, 3, 8, 64, 1, 2, torch.bfloat16, seed=2)
     slots[1, 2] = -1
     slots[0, 0] = 2 * BLOCK_SIZE  # one past the pool
-    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE)
+    out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="reference")
     for i, j in ((1, 2), (0, 0)):
         assert torch.equal(out[i, j], torch.zeros_like(out[i, j])) and torch.isposinf(lse[i, :, j]).all()
     assert torch.isfinite(lse[0, :, 1:]).all() and torch.isfinite(lse[1, :, :2]).all()
@@ -68,7 +69,8 @@ def test_decode_rows_without_valid_slot_give_zero_out_and_inf_lse():
 def test_decode_on_an_empty_pool_gives_zero_out_and_inf_lse():
     q = torch.randn(1, 2, 4, D_QK)
     pool = torch.empty(0, BLOCK_SIZE, 1, MLA_TOKEN_BYTES, dtype=torch.uint8)
-    out, lse = sparse_mla_decode(q, pool, torch.tensor([[[0, -1, 5]] * 2], dtype=torch.int32), SM_SCALE)
+    indices = torch.tensor([[[0, -1, 5]] * 2], dtype=torch.int32)
+    out, lse = sparse_mla_decode(q, pool, indices, SM_SCALE, backend="reference")
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
 
 

@@ -26,13 +26,16 @@ def decode_args():
                 indices=torch.zeros(2, S_Q, TOPK, dtype=torch.int32), sm_scale=0.1, d_v=D_V)
 
 
-FUNCTIONS = {"fwd": (sparse_mla_fwd, fwd_args), "bwd": (sparse_mla_bwd, bwd_args), "decode": (sparse_mla_decode, decode_args)}
+FUNCTIONS = {"fwd": (sparse_mla_fwd, fwd_args), "bwd": (sparse_mla_bwd, bwd_args),
+             "decode": (sparse_mla_decode, decode_args)}
 TENSORS = {"fwd": ["q", "kv", "indices"], "bwd": ["q", "kv", "indices", "out", "dout", "lse"],
            "decode": ["q", "kv_cache", "indices"]}
 
 
 def wrong_dtype(t):
-    return t.to(torch.int64) if t.is_floating_point() else t.to(torch.float16 if t.dtype == torch.int32 else torch.int32)
+    if t.is_floating_point():
+        return t.to(torch.int64)
+    return t.to(torch.float16 if t.dtype == torch.int32 else torch.int32)
 
 
 def narrower(t):
