@@ -1,0 +1,97 @@
+"""The model's paged caches and the token-position bookkeeping over them.
+
+Two precision modes share one paging scheme (block size 64, slot = block_id * 64 + offset):
+  production  the FP8 pools of ``flashdsa.runtime.cache`` (656 B/token MLA, 132 B/token indexer)
+  reference   unquantized fp32 pools of the same shape, one float per value: the MLA pool holds
+              ``[c_kv, k_pe]`` (d_qk floats) and the indexer pool the keys before any Hadamard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.runtime.cache import write_indexer_cache, write_mla_cache
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES
+from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
+from flashdsa.runtime.metadata import BatchMetadata
+
+MODES = ("reference", "production")
+
+
+@dataclass
+class ModelCaches:
+    """Per-layer pools: ``mla[i]: [num_blocks, 64, 1, 656] uint8`` (reference: ``[.., d_qk] fp32``),
+    ``indexer[i]: [num_blocks, 64, 1, 132] uint8`` (reference: ``[.., index_head_dim] fp32``)."""
+
+    mla: list[torch.Tensor]
+    indexer: list[torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.mla[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.mla[0].shape[1]
+
+
+def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, device: torch.device) -> ModelCaches:
+    layers = range(config.num_hidden_layers)
+    if mode == "production":
+        return ModelCaches([mla_pool(num_blocks, device) for _ in layers], [indexer_pool(num_blocks, device) for _ in layers])
+    shape = (num_blocks, BLOCK_SIZE, 1)
+    return ModelCaches(
+        [torch.zeros(*shape, config.d_qk, device=device) for _ in layers],
+        [torch.zeros(*shape, config.index_head_dim, device=device) for _ in layers],
+    )
+
+
+def cache_bytes_per_block(config: DeepseekV32Config, mode: str) -> int:
+    """Bytes one 64-token block takes over all layers, both caches."""
+    per_token = MLA_TOKEN_BYTES + INDEXER_TOKEN_BYTES if mode == "production" else 4 * (config.d_qk + config.index_head_dim)
+    return config.num_hidden_layers * BLOCK_SIZE * per_token
+
+
+def store_latent(pool: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write ``c_kv: [T, kv_lora_rank]``, ``k_pe: [T, rope]`` at ``slots: [T]`` (< 0 skipped)."""
+    if pool.dtype == torch.uint8:
+        write_mla_cache(c_kv, k_pe, pool, slots)
+    else:
+        _store_rows(pool, torch.cat([c_kv, k_pe], dim=-1), slots)
+
+
+def store_index_key(pool: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write indexer keys ``k: [T, index_head_dim]`` (production: rotated + FP8 by the cache op)."""
+    if pool.dtype == torch.uint8:
+        write_indexer_cache(k, pool, slots)
+    else:
+        _store_rows(pool, k, slots)
+
+
+def _store_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0
+    pool.view(-1, pool.shape[-1])[slots[keep]] = rows[keep].to(pool.dtype)
+
+
+def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from an fp32 pool: ``[length, width]``."""
+    blocks = block_table[: -(-length // pool.shape[1])].long()
+    return pool[blocks].reshape(-1, pool.shape[-1])[:length]
+
+
+def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Map per-token cache positions ``[T, k]`` (-1 = none) to slot ids ``[T, k]`` int32 (-1 kept)."""
+    table = meta.block_tables.long()[meta.seq_ids]  # [T, max_blocks]
+    pos = positions.long().clamp_min(0)
+    block = table.gather(1, (pos // block_size).clamp_max(table.shape[1] - 1))
+    slots = block * block_size + pos % block_size
+    return torch.where((positions >= 0) & (block >= 0), slots, -1).to(torch.int32)
+
+
+def sequence_ranges(meta: BatchMetadata) -> list[tuple[int, int, int]]:
+    """``(first token, end token, context length)`` of each sequence in the flat batch."""
+    qsl = meta.query_start_loc.tolist()
+    return [(qsl[b], qsl[b + 1], n) for b, n in enumerate(meta.context_lens.tolist())]

@@ -1,0 +1,160 @@
+"""DeepSeek-V3.2: MLA with DeepSeek Sparse Attention, over paged caches, in MQA (absorbed) form.
+
+One forward runs a flat batch of T tokens from several sequences (prefill chunks and decode
+tokens mixed), described by an explicit ``BatchMetadata``. Per layer, for token t:
+
+    c_q = RMSNorm(W_DQ x)                       [q_lora_rank]
+    [q_nope; q_pe] = W_UQ c_q                    [H, 128] ; [H, 64]     q_pe = rope(q_pe)
+    [c_kv; k_pe] = W_DKV x,  c_kv = RMSNorm(c_kv) [512] ; [64]          k_pe = rope(k_pe)
+    q_lat[h] = W_UK[h]^T q_nope[h]               [H, 512]   (W_UK, W_UV: views of kv_b_proj)
+    S_t = indexer top-k positions                (cache slots via the block table)
+    o_lat[h] = softmax_{s in S_t}(sm_scale [q_lat; q_pe][h] . [c_kv; k_pe]_s) c_kv_s   [H, 512]
+    o = W_O concat_h(W_UV[h] o_lat[h])
+so keys and values are the 576-wide latent tokens themselves: one KV head, cached once per token.
+RoPE is interleaved here (rotate-half in the indexer). Modes: "reference" (fp32 weights and
+unquantized caches; matches transformers) and "production" (bf16 weights, FP8 caches and indexer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashdsa.models.caches import MODES, ModelCaches, allocate_caches, cache_bytes_per_block, positions_to_slots, store_latent
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.indexer import Indexer
+from flashdsa.models.moe import MLP, MoE
+from flashdsa.models.rope import Rotary, rope_interleaved
+from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
+from flashdsa.runtime.kernels import sparse_mla_decode, sparse_mla_fwd
+from flashdsa.runtime.metadata import BatchMetadata
+
+# Parameters kept in fp32 in production mode (as the checkpoint and transformers keep them).
+FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
+PRODUCTION_WIDTHS = (KV_LORA_RANK, ROPE_DIM, INDEX_HEAD_DIM)  # 512, 64, 128
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with the indexer's sparse selection; names follow the checkpoint."""
+
+    def __init__(self, config: DeepseekV32Config):
+        super().__init__()
+        c = config
+        self.config = c
+        self.n_heads = c.num_attention_heads
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.indexer = Indexer(c)
+
+    def forward(self, x: torch.Tensor, cos_sin, meta: BatchMetadata, mla_pool: torch.Tensor, index_pool: torch.Tensor):
+        """x: [T, hidden] -> [T, hidden]; writes this step's tokens into both pools first."""
+        c, T, H = self.config, x.shape[0], self.n_heads
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+        q_nope, q_pe = self.q_b_proj(q_resid).view(T, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [T, 512]
+        q_pe, k_pe = rope_interleaved(q_pe, *cos_sin), rope_interleaved(k_pe, *cos_sin)  # [T, H, 64], [T, 64]
+        store_latent(mla_pool, c_kv, k_pe, meta.slot_mapping)
+
+        selected = self.indexer(x, q_resid, cos_sin, meta, index_pool)  # [T, topk] positions
+        slots = positions_to_slots(selected, meta, mla_pool.shape[1])  # [T, topk] slot ids
+
+        w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w_kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, 128, 512] each
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
+        o_lat = self._attend(q, mla_pool, slots)  # [T, H, 512]
+        o = torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v_head_dim]
+        return self.o_proj(o.flatten(1))
+
+    def _attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Sparse attention of ``q: [T, H, d_qk]`` over the cache tokens at ``slots: [T, topk]``."""
+        scale, d_v = self.config.softmax_scale, self.config.kv_lora_rank
+        if pool.dtype == torch.uint8:  # FP8 pool: the decode kernel reads slot ids directly
+            out, _ = sparse_mla_decode(q[None], pool, slots[None], scale, d_v)
+            return out[0]
+        kv = pool.view(-1, 1, pool.shape[-1])  # [num_blocks * 64, 1, d_qk]: slot ids index it
+        out, _, _ = sparse_mla_fwd(q, kv, slots[:, None, :], scale, d_v)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV32Config, layer: int):
+        super().__init__()
+        self.self_attn = MLA(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos_sin, meta: BatchMetadata, mla_pool: torch.Tensor, index_pool: torch.Tensor):
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta, mla_pool, index_pool)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV32Model(nn.Module):
+    def __init__(self, config: DeepseekV32Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    """The model; build it with :func:`flashdsa.models.loader.load_model`."""
+
+    def __init__(self, config: DeepseekV32Config, mode: str = "production"):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        widths = (config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim)
+        if mode == "production" and widths != PRODUCTION_WIDTHS:
+            raise ValueError(
+                f"production mode needs (kv_lora_rank, qk_rope_head_dim, index_head_dim) = {PRODUCTION_WIDTHS} "
+                f"(the FP8 cache layouts), got {widths}: use mode='reference' for this checkpoint"
+            )
+        self.config, self.mode = config, mode
+        self.model = DeepseekV32Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+
+    def param_dtype(self, name: str) -> torch.dtype:
+        """Storage dtype of parameter/buffer ``name`` in this mode."""
+        if self.mode == "reference" or name.endswith(FP32_PARAMS):
+            return torch.float32
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def allocate_caches(self, num_blocks: int) -> ModelCaches:
+        return allocate_caches(self.config, self.mode, num_blocks, self.device)
+
+    def cache_bytes_per_block(self) -> int:
+        return cache_bytes_per_block(self.config, self.mode)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: ModelCaches) -> torch.Tensor:
+        """input_ids: [T] int64 -> logits [len(meta.logits_indices), vocab] fp32."""
+        cos_sin = self.rotary.cos_sin(meta.positions)  # [T, rope / 2] each
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos_sin, meta, caches.mla[i], caches.indexer[i])
+        h = self.model.norm(h[meta.logits_indices])
+        return self.lm_head(h).float()

@@ -1,0 +1,103 @@
+"""The lightning indexer of DeepSeek Sparse Attention: which cached tokens each query attends to.
+
+    q_t = rope(W_qb q_resid_t)  [H_I, D]      k_s = rope(LayerNorm(W_k x_s))  [D]
+    w_t = W_w x_t * H_I^-0.5     [H_I]
+    I[t, s] = D^-0.5 * sum_h w_t[h] * relu(q_t[h] . k_s)        for s <= t (causal)
+    selected(t) = top-k_s I[t, s]
+
+RoPE here is rotate-half on the first ``qk_rope_head_dim`` of the D = ``index_head_dim`` dims.
+Production rotates q and k by a 128-point Hadamard (orthogonal: scores unchanged up to rounding)
+and scores them in FP8 (power-of-two scales, q's folded into w); reference scores in fp32
+without either, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdsa.models.caches import gather_rows, sequence_ranges, store_index_key
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.rope import rope_rotate_half
+from flashdsa.runtime.indexer import hadamard_transform, indexer_logits_paged, indexer_topk, quantize_indexer
+from flashdsa.runtime.metadata import BatchMetadata
+
+
+class TopK(nn.Module):
+    """``logits: [T, L]`` -> positions of the k best finite scores ``[T, k]`` int32, -1 padded.
+
+    A module so that a forward hook sees both the scores and the choice (the layerwise check)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return indexer_topk(logits, self.k)
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: DeepseekV32Config):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.topk = TopK(config.index_topk)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: BatchMetadata,
+        pool: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [T, hidden], q_resid: [T, q_lora_rank] -> selected positions [T, index_topk] int32 (-1 pad).
+
+        Writes this step's keys into ``pool`` (the layer's indexer cache) first."""
+        num_tokens = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(num_tokens, self.n_heads, self.head_dim), cos_sin)  # [T, H_I, D]
+        k = self._rope(self.k_norm(self.wk(x)), cos_sin)  # [T, D]
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [T, H_I]
+        store_index_key(pool, k, meta.slot_mapping)
+        if pool.dtype == torch.uint8:
+            logits = self._fp8_logits(q, w, meta, pool)
+        else:
+            logits = self._exact_logits(q, w, meta, pool)
+        return self.topk(logits)  # [T, topk]
+
+    def _rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([rope_rotate_half(rot, *cos_sin), rest], dim=-1)
+
+    def _exact_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
+        """fp32 scores, no Hadamard or FP8 (Hugging Face's computation): ``[T, max_context]``."""
+        ranges = sequence_ranges(meta)
+        logits = q.new_full((q.shape[0], max(n for _, _, n in ranges)), float("-inf"), dtype=torch.float32)
+        for b, (t0, t1, length) in enumerate(ranges):
+            keys = gather_rows(pool[:, :, 0], meta.block_tables[b], length).float()  # [L, D]
+            dots = F.relu(torch.matmul(q[t0:t1].float(), keys.T) * self.head_dim**-0.5)  # [n, H_I, L]
+            scores = torch.matmul(w[t0:t1, None, :], dots).squeeze(1)  # [n, L]
+            causal = torch.arange(length, device=q.device)[None, :] <= meta.positions[t0:t1, None]
+            logits[t0:t1, :length] = scores.masked_fill(~causal, float("-inf"))
+        return logits
+
+    def _fp8_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
+        """Hadamard + FP8 scores over the paged indexer cache: ``[T, max_context]``."""
+        q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H_I, D] e4m3, [T, H_I]
+        w = w * q_scale * self.head_dim**-0.5
+        ranges = sequence_ranges(meta)
+        max_len = max(n for _, _, n in ranges)
+        counts = {t1 - t0 for t0, t1, _ in ranges}
+        if len(counts) == 1:  # every sequence has n queries (e.g. all decoding): one call
+            q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
+            return indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, max_len)
+        logits = w.new_full((q.shape[0], max_len), float("-inf"))
+        for b, (t0, t1, length) in enumerate(ranges):
+            logits[t0:t1, :length] = indexer_logits_paged(
+                q_fp8[None, t0:t1], w[t0:t1], pool, meta.context_lens[b : b + 1], meta.block_tables[b : b + 1], length
+            )
+        return logits

@@ -1,0 +1,127 @@
+"""Tiny random DeepSeek-V3.2 checkpoints in Hugging Face layout, for tests, demos and GPU checks.
+
+The default keeps V3.2's attention widths (kv_lora_rank 512, qk_rope_head_dim 64, so d_qk 576;
+index_head_dim 128) with few heads, so the FP8 caches and GPU kernels serve it; ``shrink=True``
+shrinks every width for fast CPU tests (reference mode only). Three (shrunk: two) layers: the
+first dense, the rest MoE. Weights are bf16 (``fp8=True``: e4m3 with 128x128 block scales, as the
+official checkpoint) with scales that keep activations near unit size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.tiny_tokenizer import save_tokenizer
+from flashdsa.runtime.fp8 import E4M3, E4M3_MAX
+
+FP8_BLOCK = 128
+# Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
+NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+
+COMMON = dict(
+    model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], torch_dtype="bfloat16",
+    qk_nope_head_dim=128, v_head_dim=128, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+    routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, index_topk=64, hidden_act="silu",
+    rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=1024, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0),
+    bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
+)
+FULL = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_rope_head_dim=64,
+            n_routed_experts=8, index_n_heads=16, index_head_dim=128)
+SHRUNK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+              v_head_dim=16, n_routed_experts=4, index_n_heads=16, index_head_dim=32)
+
+
+def tiny_config(shrink: bool = False, vocab_size: int = 512) -> dict:
+    """The config.json dict of a tiny checkpoint."""
+    widths = SHRUNK if shrink else FULL  # num_key_value_heads: transformers' MHA view of MLA
+    return {**COMMON, **widths, "num_key_value_heads": widths["num_attention_heads"], "vocab_size": vocab_size}
+
+
+def random_weights(config: DeepseekV32Config, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor the model expects, bf16 (the correction bias fp32), with O(1) activations."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in DeepseekV32ForCausalLM(config, "reference").state_dict().items()}
+    out = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        if name.endswith("e_score_correction_bias"):
+            out[name] = (0.05 * noise).float()
+            continue
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * noise
+        elif name.endswith("norm.bias"):
+            w = 0.1 * noise
+        elif name.endswith("embed_tokens.weight"):
+            w = noise
+        else:  # a Linear [out, in]
+            w = noise / math.sqrt(shape[1])
+        out[name] = w.to(torch.bfloat16)
+    return out
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w: [m, n]`` -> (e4m3 ``[m, n]``, ``weight_scale_inv`` fp32 ``[ceil(m/128), ceil(n/128)]``)."""
+    m, n = w.shape
+    pm, pn = -(-m // FP8_BLOCK) * FP8_BLOCK, -(-n // FP8_BLOCK) * FP8_BLOCK
+    padded = torch.zeros(pm, pn)
+    padded[:m, :n] = w.float()
+    blocks = padded.view(pm // FP8_BLOCK, FP8_BLOCK, pn // FP8_BLOCK, FP8_BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12)  # [pm/128, pn/128]
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(pm, pn)[:m, :n]
+    return q.to(E4M3).contiguous(), scale
+
+
+def to_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, w in weights.items():
+        if w.dim() == 2 and not name.endswith(NOT_FP8):
+            out[name], out[name + "_scale_inv"] = quantize_blocks(w)
+        else:
+            out[name] = w
+    return out
+
+
+def save_shards(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    """``model.safetensors``, or ``shards`` files plus ``model.safetensors.index.json``."""
+    if shards == 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        save_file({n: tensors[n] for n in part}, path / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": size}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_tiny_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shrink: bool = False,
+                         shards: int = 1) -> Path:
+    """Write a tiny random DeepSeek-V3.2 checkpoint (config, weights, tokenizer) into ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = save_tokenizer(path)
+    raw = tiny_config(shrink, vocab_size)
+    if fp8:
+        raw["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                          weight_block_size=[FP8_BLOCK, FP8_BLOCK])
+    weights = random_weights(DeepseekV32Config.from_dict(raw), seed)
+    save_shards(path, to_fp8(weights) if fp8 else weights, shards)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))
+    return path
