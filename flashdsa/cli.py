@@ -13,9 +13,12 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("flashdsa.demo", "run the DSA ops on random data and compare each backend with the reference"),
+    "demo": ("flashdsa.demo", "run the DSA ops on random data, every backend against the reference"),
     "finetune": ("flashdsa.train.finetune", "train a DSA model: dense warm-up of the indexer, then sparse training"),
     "serve": ("flashdsa.serve.command", "serve a model over an OpenAI-compatible HTTP API"),
+    "make-tiny": ("flashdsa.models.tiny_cli", "write a tiny random DeepSeek-V3.2 checkpoint (HF layout, with tokenizer)"),
+    "check": ("flashdsa.check.cli", "compare flashdsa with transformers layer by layer on a checkpoint"),
+    "generate": ("flashdsa.generate", "generate text from a prompt through the paged caches"),
 }
 
 
