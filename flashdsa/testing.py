@@ -160,7 +160,9 @@ def slots_from_positions(
     return torch.where(valid, blocks * block_size + safe % block_size, -1).to(torch.int32)
 
 
-def dense_sparse_mla(q, kv, indices, sm_scale: float, d_v: int):
+def dense_sparse_mla(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Independent oracle for ``sparse_mla_fwd``: dense masked softmax in float64 (differentiable).
 
     A count matrix ``[s_q, s_kv]`` records how often each query selected each row (duplicates

@@ -74,6 +74,17 @@ def test_decode_on_an_empty_pool_gives_zero_out_and_inf_lse():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
 
 
+def test_empty_query_batches_give_empty_outputs():
+    q = torch.randn(0, 4, 48)
+    out, max_logits, lse = sparse_mla_fwd(q, torch.randn(5, 1, 48), torch.zeros(0, 1, 8, dtype=torch.int32), 0.1, 32,
+                                          backend="reference")
+    assert out.shape == (0, 4, 32) and max_logits.shape == lse.shape == (0, 4)
+    pool = random_mla_cache(1)
+    out, lse = sparse_mla_decode(torch.randn(2, 0, 4, D_QK), pool, torch.zeros(2, 0, 8, dtype=torch.int32), SM_SCALE,
+                                 backend="reference")
+    assert out.shape == (2, 0, 4, 512) and lse.shape == (2, 4, 0)
+
+
 def test_decode_chunking_gives_the_same_result():
     q, pool, _, _, slots = decode_case(2, 3, 8, 64, 2, 5, torch.float32, seed=4, invalid=0.3)
     whole = reference.sparse_mla_decode(q, pool, slots, SM_SCALE, 512, chunk=6)

@@ -39,7 +39,9 @@ def _nonempty(table: torch.Tensor) -> torch.Tensor:
     return table if table.shape[0] else table.new_zeros(1, *table.shape[1:])
 
 
-def _gather_keys(table: torch.Tensor, to_keys: ToKeys, idx: torch.Tensor, n_kv: int):
+def _gather_keys(
+    table: torch.Tensor, to_keys: ToKeys, idx: torch.Tensor, n_kv: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys selected by ``idx: [n, topk]``: (valid [n, topk] bool, clamped indices [n, topk] int64,
     keys [n, topk, d_qk])."""
     idx = idx.long()
@@ -60,7 +62,10 @@ def _probs(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(scores - lse.unsqueeze(-1))
 
 
-def _attend(q, table, to_keys: ToKeys, indices, sm_scale: float, d_v: int, chunk: Optional[int]):
+def _attend(
+    q: torch.Tensor, table: torch.Tensor, to_keys: ToKeys, indices: torch.Tensor, sm_scale: float, d_v: int,
+    chunk: Optional[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse attention of ``q: [n, h_q, d_qk]`` over rows ``indices: [n, topk]`` of ``table``.
 
     Returns out ``[n, h_q, d_v]`` (q's dtype), max_logits and lse ``[n, h_q]`` fp32.
@@ -88,7 +93,10 @@ def _kv_rows(kv: torch.Tensor) -> tuple[torch.Tensor, ToKeys]:
     return kv[:, 0], lambda rows: rows.to(cdtype)
 
 
-def sparse_mla_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, *, chunk: Optional[int] = None):
+def sparse_mla_fwd(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+    *, chunk: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q ``[s_q, h_q, d_qk]``, kv ``[s_kv, 1, d_qk]``, indices ``[s_q, 1, topk]`` int32 ->
     (out ``[s_q, h_q, d_v]``, max_logits ``[s_q, h_q]`` fp32, lse ``[s_q, h_q]`` fp32).
 
@@ -99,9 +107,10 @@ def sparse_mla_fwd(q, kv, indices, sm_scale: float, d_v: int = 512, *, chunk: Op
 
 
 def sparse_mla_bwd(
-    q, kv, out, dout, lse, indices, sm_scale: float, d_v: int = 512, deterministic: bool = False,
+    q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+    indices: torch.Tensor, sm_scale: float, d_v: int = 512, deterministic: bool = False,
     *, chunk: Optional[int] = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients (dq ``[s_q, h_q, d_qk]``, dkv ``[s_kv, 1, d_qk]``, inputs' dtype) of
     :func:`sparse_mla_fwd`'s out, written out explicitly (no autograd):
 
@@ -134,14 +143,20 @@ def sparse_mla_bwd(
     return dq, dkv[:n_kv].to(kv.dtype).unsqueeze(1)
 
 
-def sparse_mla_decode(q, kv_cache, indices, sm_scale: float, d_v: int = 512, *, chunk: Optional[int] = None):
+def sparse_mla_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
+    *, chunk: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[b, s_q, h_q, 576]``, kv_cache ``[num_blocks, block_size, 1, 656]`` uint8 (FP8 MLA
     tokens), indices ``[b, s_q, topk]`` int32 slot ids -> (out ``[b, s_q, h_q, d_v]``,
     lse ``[b, h_q, s_q]`` fp32). Selected tokens are gathered by slot id and dequantized."""
     b, s_q, h_q, d_qk = q.shape
     table = kv_cache.view(-1, MLA_TOKEN_BYTES)
     cdtype = _compute_dtype(q.dtype)
-    to_keys = lambda rows: dequantize_mla(rows).to(cdtype)  # noqa: E731
-    out, _, lse = _attend(q.reshape(b * s_q, h_q, d_qk), table, to_keys, indices.reshape(b * s_q, -1),
-                          sm_scale, d_v, chunk)
+
+    def to_keys(tokens: torch.Tensor) -> torch.Tensor:
+        return dequantize_mla(tokens).to(cdtype)
+
+    rows = indices.reshape(b * s_q, indices.shape[-1])
+    out, _, lse = _attend(q.reshape(b * s_q, h_q, d_qk), table, to_keys, rows, sm_scale, d_v, chunk)
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
