@@ -124,7 +124,8 @@ def test_indexer_block_views_address_keys_then_scales(block_size):
         for j in (0, 1, block_size - 1):
             assert torch.equal(keys[b, j].view(torch.uint8), flat[b, j * 128 : (j + 1) * 128])
             at = block_size * 128 + 4 * j
-            assert torch.equal(scales[b, j : j + 1].double().nan_to_num(), decode_le(flat[b, at : at + 4], torch.float32).nan_to_num())
+            expect = decode_le(flat[b, at : at + 4], torch.float32)
+            assert torch.equal(scales[b, j : j + 1].double().nan_to_num(), expect.nan_to_num())
 
 
 def test_indexer_cache_block_holds_64_keys_then_64_scales():

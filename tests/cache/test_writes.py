@@ -105,7 +105,8 @@ def test_write_mla_cache_rejects_bad_input_naming_it(name, bad):
         write_mla_cache(**{**MLA_OK, name: bad})
 
 
-INDEXER_OK = dict(k=torch.randn(4, 128), k_cache=torch.zeros(1, 64, 1, 132, dtype=torch.uint8), slot_mapping=torch.arange(4))
+INDEXER_OK = dict(k=torch.randn(4, 128), k_cache=torch.zeros(1, 64, 1, 132, dtype=torch.uint8),
+                  slot_mapping=torch.arange(4))
 
 
 @pytest.mark.parametrize("name, bad", [
@@ -131,7 +132,8 @@ def test_both_writes_have_reference_and_triton_backends_registered():
 
 
 def test_pools_have_the_layout_shapes_and_start_zeroed():
-    assert mla_pool(3, "cpu").shape == (3, 64, 1, 656) and indexer_pool(2, "cpu", block_size=16).shape == (2, 16, 1, 132)
+    assert mla_pool(3, "cpu").shape == (3, 64, 1, 656)
+    assert indexer_pool(2, "cpu", block_size=16).shape == (2, 16, 1, 132)
     assert not mla_pool(2, "cpu").any() and indexer_pool(1, "cpu").dtype == torch.uint8
     with pytest.raises(ValueError, match="num_blocks"):
         mla_pool(0, "cpu")

@@ -54,7 +54,9 @@ def test_leaves_bf16_scores_unchanged_up_to_rounding():
     assert delta.max() > 0  # the rounding is real: the check would see a wrong rotation
 
 
-@pytest.mark.parametrize("bad", [torch.randn(4, 96), torch.randn(4, 0), torch.randint(0, 3, (4, 128)), torch.tensor(1.0), [1.0] * 128])
+@pytest.mark.parametrize("bad", [
+    torch.randn(4, 96), torch.randn(4, 0), torch.randint(0, 3, (4, 128)), torch.tensor(1.0), [1.0] * 128,
+])
 def test_rejects_bad_input_naming_x(bad):
     with pytest.raises(ValueError, match="x"):
         hadamard_transform(bad)

@@ -17,7 +17,13 @@ import torch
 from flashdsa.runtime.cache import write_indexer_cache
 from flashdsa.runtime.cache.allocator import slot_mapping
 from flashdsa.runtime.cache.pool import indexer_pool
-from flashdsa.runtime.indexer import hadamard_transform, indexer_logits, indexer_logits_paged, quantize_indexer, reference
+from flashdsa.runtime.indexer import (
+    hadamard_transform,
+    indexer_logits,
+    indexer_logits_paged,
+    quantize_indexer,
+    reference,
+)
 
 ROTATION_ERROR = {torch.bfloat16: 2.0**-9, torch.float32: 2.0**-20}
 
@@ -28,7 +34,8 @@ def quantized_case(num_q, num_heads, num_keys, seed, dtype=torch.float32):
     q = torch.randn(num_q, num_heads, 128, generator=g).to(dtype)
     k = (torch.randn(num_keys, 128, generator=g) * torch.rand(num_keys, 1, generator=g) * 4).to(dtype)
     w = torch.randn(num_q, num_heads, generator=g)
-    (q_fp8, q_scale), (k_fp8, k_scale) = quantize_indexer(hadamard_transform(q)), quantize_indexer(hadamard_transform(k))
+    q_fp8, q_scale = quantize_indexer(hadamard_transform(q))
+    k_fp8, k_scale = quantize_indexer(hadamard_transform(k))
     return q, k, w, q_fp8, w * q_scale, k_fp8, k_scale
 
 

@@ -4,7 +4,13 @@ lower position, results sorted by descending score, -1 padded, only in-range pos
 import pytest
 import torch
 
-from flashdsa.runtime.indexer import hadamard_transform, indexer_fused_topk, indexer_logits, indexer_topk, quantize_indexer
+from flashdsa.runtime.indexer import (
+    hadamard_transform,
+    indexer_fused_topk,
+    indexer_logits,
+    indexer_topk,
+    quantize_indexer,
+)
 
 
 def brute_force_topk(logits, topk, starts, ends):
@@ -100,7 +106,8 @@ def test_fused_topk_equals_topk_of_logits_for_any_chunk(chunk, num_q, num_keys, 
     assert_matches_float64_topk_sets(expect, logits, starts, ends)
 
 
-TOPK_OK = dict(logits=torch.randn(3, 10), topk=4, starts=torch.zeros(3, dtype=torch.int32), ends=torch.full((3,), 10, dtype=torch.int32))
+TOPK_OK = dict(logits=torch.randn(3, 10), topk=4, starts=torch.zeros(3, dtype=torch.int32),
+               ends=torch.full((3,), 10, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("name, bad", [
@@ -118,7 +125,9 @@ def test_indexer_topk_rejects_bad_input_naming_it(name, bad):
         indexer_topk(**{**TOPK_OK, name: bad})
 
 
-@pytest.mark.parametrize("name, bad", [("topk", -1), ("chunk", 0), ("k_scale", torch.rand(4)), ("ends", torch.full((2,), 6, dtype=torch.int32))])
+@pytest.mark.parametrize("name, bad", [
+    ("topk", -1), ("chunk", 0), ("k_scale", torch.rand(4)), ("ends", torch.full((2,), 6, dtype=torch.int32)),
+])
 def test_indexer_fused_topk_rejects_bad_input_naming_it(name, bad):
     q_fp8, weights, k_fp8, k_scale = indexer_inputs(2, 5)
     args = dict(q_fp8=q_fp8, weights=weights, k_fp8=k_fp8, k_scale=k_scale, starts=torch.zeros(2, dtype=torch.int32),

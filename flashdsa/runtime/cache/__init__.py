@@ -63,7 +63,8 @@ def write_mla_cache(
     check_tensor("c_kv", c_kv, FLOATS, [None, KV_LORA_RANK], "bf16/fp16/fp32 [T, 512]", contiguous=False)
     _check_rows("c_kv", c_kv)
     num_tokens = c_kv.shape[0]
-    check_tensor("k_pe", k_pe, c_kv.dtype, [num_tokens, ROPE_DIM], f"{c_kv.dtype} [T={num_tokens}, 64]", c_kv.device, False)
+    check_tensor("k_pe", k_pe, c_kv.dtype, [num_tokens, ROPE_DIM], f"{c_kv.dtype} [T={num_tokens}, 64]",
+                 c_kv.device, contiguous=False)
     _check_rows("k_pe", k_pe)
     check_tensor("kv_cache", kv_cache, torch.uint8, [None, None, 1, MLA_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 656]", c_kv.device)

@@ -108,5 +108,6 @@ def slot_mapping(
         )
     blocks = table[block_idx]
     if int(blocks.min()) < 0:
-        raise ValueError(f"block_table has a negative (unassigned) block for positions {positions[blocks < 0].tolist()}")
+        unassigned = positions[blocks < 0].tolist()
+        raise ValueError(f"block_table has a negative (unassigned) block for positions {unassigned}")
     return blocks * block_size + positions % block_size

@@ -60,7 +60,8 @@ def _check_ranges(starts: object, ends: object, num_rows: int, length: int, devi
     for name, t in (("starts", starts), ("ends", ends)):
         check_tensor(name, t, torch.int32, [num_rows], f"int32 [T={num_rows}]", device)
     if num_rows and _can_read_back(device):
-        bad_start, bad_end, crossed = torch.stack(((starts < 0).any(), (ends > length).any(), (starts > ends).any())).tolist()
+        flags = torch.stack(((starts < 0).any(), (ends > length).any(), (starts > ends).any()))
+        bad_start, bad_end, crossed = flags.tolist()
         check(not bad_start, f"starts must be >= 0, got min {int(starts.min())}")
         check(not bad_end, f"ends must be <= {length} (the number of keys), got max {int(ends.max())}")
         check(not crossed, "starts must be <= ends in every row")
@@ -73,7 +74,8 @@ def _check_float(name: str, x: object, dtypes: tuple[torch.dtype, ...], expected
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    check(isinstance(value, int) and not isinstance(value, bool) and value >= low, f"{name} must be an int >= {low}, got {value!r}")
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    check(ok, f"{name} must be an int >= {low}, got {value!r}")
 
 
 def hadamard_transform(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -147,9 +149,10 @@ def _check_paged(context_lens, block_tables, num_blocks, block_size, batch, next
         (lens < next_n).any(), (lens > max_context_len).any(),
         (lens > block_tables.shape[1] * block_size).any(), bad_block.any(),
     )).tolist()
-    check(not short, f"context_lens must be >= next_n ({next_n}): the queries sit in the cache, got {context_lens.tolist()}")
+    check(not short, f"context_lens must be >= next_n ({next_n}) (the queries are in the cache), got {lens.tolist()}")
     check(not long, f"context_lens must be <= max_context_len ({max_context_len}), got max {int(lens.max())}")
-    check(not unmapped, f"block_tables has {block_tables.shape[1]} columns of {block_size} slots, too few for context_lens max {int(lens.max())}")
+    check(not unmapped, f"block_tables has {block_tables.shape[1]} columns of {block_size} slots, "
+                        f"too few for context_lens max {int(lens.max())}")
     check(not bad, f"block_tables must hold block ids in [0, {num_blocks}) for every block a context uses")
 
 
@@ -177,8 +180,10 @@ def indexer_logits_paged(
     check_tensor("q_fp8", q_fp8, E4M3, [None, None, None, INDEX_HEAD_DIM], "float8_e4m3fn [B, n, H, 128]")
     batch, next_n, num_heads, _ = q_fp8.shape
     device = q_fp8.device
-    check_tensor("weights", weights, torch.float32, [batch * next_n, num_heads], f"fp32 [B*n={batch * next_n}, H={num_heads}]", device)
-    check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES], "uint8 [num_blocks, block_size, 1, 132]", device)
+    check_tensor("weights", weights, torch.float32, [batch * next_n, num_heads],
+                 f"fp32 [B*n={batch * next_n}, H={num_heads}]", device)
+    check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
+                 "uint8 [num_blocks, block_size, 1, 132]", device)
     _check_paged(context_lens, block_tables, k_cache.shape[0], k_cache.shape[1], batch, next_n, max_context_len, device)
     impl = dispatch.select("indexer_logits_paged", device, backend, head_dim=INDEX_HEAD_DIM)
     return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len)

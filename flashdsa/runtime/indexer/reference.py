@@ -71,7 +71,9 @@ def indexer_logits(
     return out
 
 
-def gather_indexer_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_indexer_keys(
+    k_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys of positions ``[0, length)`` of one sequence: (e4m3 ``[length, 128]``, fp32 ``[length]``)."""
     keys, scales = indexer_block_views(k_cache)
     block_size = keys.shape[1]
