@@ -1,0 +1,165 @@
+"""Triton sparse_mla_decode over the FP8 paged cache against the reference backend.
+
+GPU tests (marked ``gpu``) walk heads (16/64/128 and odd counts), top-k 64..2048, batch 1..128,
+s_q 1..4 (MTP) and forced split-KV counts, plus corner cases (no valid slot, empty pool, top-k
+longer than the context, out-of-range slot ids) and a 64K-token context. Outputs the kernel
+allocates start as NaN (the caching allocator is flooded with NaN first). The CPU test runs tiny
+cases in a subprocess with TRITON_INTERPRET=1. The reference gets fp32 copies of q, so the only
+extra rounding the kernel does is P to bf16 before P @ V and out to bf16: FlashMLA tolerances.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, D_QK, KV_LORA_RANK, ROPE_DIM, quantize_mla
+from flashdsa.runtime.kernels import reference, sparse_mla_decode
+from flashdsa.testing import (
+    assert_flashmla_close,
+    assert_lse_close,
+    random_block_table,
+    random_indices,
+    slots_from_positions,
+)
+
+SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
+SM_SCALE = D_QK**-0.5
+
+
+def flood_with_nan(device: torch.device) -> None:
+    """Leave NaN in the CUDA caching allocator's free memory, so kernel outputs start poisoned."""
+    if device.type == "cuda":
+        torch.full((64 << 20,), float("nan"), device=device)
+
+
+def decode_inputs(b, s_q, h_q, topk, context, device, scale=0.1, **options):
+    """q [b, s_q, h_q, 576] bf16, a pool holding ``b`` contexts of ``context`` tokens in scattered
+    blocks, and slot ids [b, s_q, topk] of random positions (``options`` as in random_indices).
+    q and the cached tokens are N(0, scale^2), 1/10 as in FlashMLA's tests (its tolerances assume it)."""
+    g = torch.Generator().manual_seed(SEED + b * 7919 + s_q * 131 + h_q * 31 + topk)
+    blocks_per_seq = max(1, -(-context // BLOCK_SIZE))
+    num_blocks = b * blocks_per_seq + 3
+    shape = (num_blocks, BLOCK_SIZE, 1)
+    c_kv, k_pe = torch.randn(*shape, KV_LORA_RANK, generator=g), torch.randn(*shape, ROPE_DIM, generator=g)
+    pool = quantize_mla(c_kv * scale, k_pe * scale).to(device)
+    table = random_block_table(b, blocks_per_seq, num_blocks, generator=g)
+    positions = random_indices((b, s_q, topk), context, generator=g, **options)
+    slots = slots_from_positions(positions, table).to(device)
+    q = (torch.randn(b, s_q, h_q, D_QK, generator=g) * scale).to(device, torch.bfloat16)
+    return q, pool, slots
+
+
+def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3):
+    """Kernel vs the reference (fp32 q) with FlashMLA's tolerances; returns (out, lse)."""
+    flood_with_nan(q.device)
+    if num_splits is None:
+        out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="triton")
+    else:
+        from flashdsa.runtime.kernels.triton.sparse_decode import sparse_mla_decode as kernel
+        out, lse = kernel(q, pool, slots, SM_SCALE, 512, num_splits=num_splits)
+    ref_out, ref_lse = reference.sparse_mla_decode(q.float(), pool, slots, SM_SCALE)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_flashmla_close("out", out, ref_out, abs_tol=out_abs_tol)
+    assert_lse_close(lse, ref_lse)
+    return out, lse
+
+
+cuda = torch.device("cuda")
+GRID = [  # (b, s_q, h_q, topk, context)
+    (1, 1, 128, 2048, 4096), (2, 2, 128, 512, 700), (8, 4, 64, 1024, 2000), (4, 3, 16, 64, 100),
+    (3, 2, 20, 128, 300), (1, 4, 80, 256, 256), (128, 2, 128, 128, 512), (16, 1, 1, 64, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s_q, h_q, topk, context", GRID)
+def test_decode_matches_reference(b, s_q, h_q, topk, context):
+    check_decode(*decode_inputs(b, s_q, h_q, topk, context, cuda, invalid=0.1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 32])
+def test_forced_splits_combine_to_the_same_result(num_splits):
+    check_decode(*decode_inputs(2, 2, 64, 1024, 3000, cuda, invalid=0.2), num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(out_of_range=0.4), dict(duplicates=True, invalid=0.3)])
+def test_out_of_range_and_duplicate_slots(options):
+    q, pool, slots = decode_inputs(4, 2, 128, 256, 1000, cuda, **options)
+    slots[0, 0, :4] = torch.tensor([-7, pool.shape[0] * BLOCK_SIZE, 2**31 - 1, pool.shape[0] * BLOCK_SIZE - 1])
+    check_decode(q, pool, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_rows_without_valid_slot_give_zero_out_and_inf_lse(num_splits):
+    q, pool, slots = decode_inputs(3, 2, 64, 256, 500, cuda)
+    slots[1] = -1
+    slots[2, 1, :] = 2**31 - 1
+    out, lse = check_decode(q, pool, slots, num_splits)
+    assert not out[1].any() and torch.isposinf(lse[1]).all() and torch.isposinf(lse[2, :, 1]).all()
+
+
+@pytest.mark.gpu
+def test_empty_pool_and_topk_longer_than_context():
+    q, pool, slots = decode_inputs(2, 1, 64, 128, 1, cuda)
+    check_decode(q, pool[:0], slots)  # no slot exists
+    q, pool, slots = decode_inputs(2, 2, 128, 2048, 100, cuda)  # 100 valid, the rest -1
+    check_decode(q, pool, slots)
+
+
+@pytest.mark.gpu
+def test_peaked_softmax_with_unscaled_inputs():
+    check_decode(*decode_inputs(4, 2, 128, 512, 2000, cuda, scale=1.0), out_abs_tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_long_context_64k():
+    check_decode(*decode_inputs(2, 2, 128, 2048, 65536, cuda))
+
+
+INTERPRETER_CASES = [  # (b, s_q, h_q, topk, context, num_splits, options): tiny, the interpreter is slow
+    (1, 2, 16, 64, 100, None, dict(invalid=0.3)),
+    (2, 1, 20, 64, 50, 2, dict(out_of_range=0.3, duplicates=True)),
+    (1, 1, 70, 128, 90, 3, {}),  # two head blocks, the second padded; topk > context
+]
+
+
+def run_interpreter_cases() -> None:
+    from flashdsa.runtime.indexer.triton.interpreter import patch_interpreter
+
+    patch_interpreter()
+    cpu = torch.device("cpu")
+    for b, s_q, h_q, topk, context, splits, options in INTERPRETER_CASES:
+        check_decode(*decode_inputs(b, s_q, h_q, topk, context, cpu, **options), num_splits=splits)
+    q, pool, slots = decode_inputs(1, 1, 16, 64, 10, cpu)
+    out, lse = check_decode(q, pool, torch.full_like(slots, -1))
+    assert not out.any() and torch.isposinf(lse).all()
+
+
+def test_decode_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+
+
+def run_memcheck_case() -> None:
+    """A small GPU case full of invalid slot ids, split and unsplit, for compute-sanitizer."""
+    q, pool, slots = decode_inputs(2, 2, 128, 256, 300, cuda, invalid=0.3, out_of_range=0.3)
+    for splits in (None, 3):
+        check_decode(q, pool, slots, splits)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    torch.set_num_threads(2)
+    run_interpreter_cases()
+elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
+    run_memcheck_case()
