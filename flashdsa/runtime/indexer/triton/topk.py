@@ -27,8 +27,8 @@ FUSED_BUFFER_BYTES = 256 << 20  # scores + positions of one group of rows in the
 
 @triton.jit
 def _order_key(x):
-    """fp32 -> uint32 whose unsigned order is the float order (-0.0 just below +0.0)."""
-    u = x.to(tl.uint32, bitcast=True)
+    """fp32 -> uint32 whose unsigned order is the float order (-0.0 counts as +0.0: a tie)."""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
     sign = tl.full([], 0x80000000, tl.uint32)
     ones = tl.full([], 0xFFFFFFFF, tl.uint32)  # x ^ ones, not ~x: the interpreter cannot invert uint32
     return tl.where((u & sign) == 0, u | sign, u ^ ones)

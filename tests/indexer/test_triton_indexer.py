@@ -1,0 +1,222 @@
+"""Triton indexer kernels (Hadamard, FP8 logits ragged and paged, top-k, fused score + top-k)
+against the reference backend.
+
+Logits: the kernel sums FP8 tensor-core dots in fp32, the reference in float64, so each score
+may differ by fp32 rounding of its terms: we allow 1e-4 of the score's magnitude bound
+``k_scale * sum_h |w_h| relu(q_h . k)`` (the reference evaluated with |weights|); -inf must match.
+Top-k: both backends get the same logits and must agree exactly (same positions, same order,
+ties to the lower position). The fused top-k must equal top-k of the Triton logits exactly (each
+score is computed the same way whatever chunk holds it). The Hadamard butterfly is bit-exact.
+GPU tests are marked ``gpu``; the CPU test runs tiny cases under TRITON_INTERPRET=1 in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, indexer_block_views, quantize_indexer_key
+from flashdsa.runtime.indexer import (
+    hadamard_transform,
+    indexer_fused_topk,
+    indexer_logits,
+    indexer_logits_paged,
+    indexer_topk,
+    reference,
+)
+from flashdsa.testing import random_block_table
+
+SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
+LOGITS_RTOL = 1e-4
+
+
+def generator(*salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED + sum(s * 7919**i for i, s in enumerate(salt)))
+
+
+def ragged_inputs(num_q, num_heads, num_keys, device, g):
+    """Rotated-looking FP8 queries and keys, weights, and random ranges [start, end) per query."""
+    q = (torch.randn(num_q, num_heads, 128, generator=g) * 40).to(torch.float8_e4m3fn)
+    weights = torch.randn(num_q, num_heads, generator=g) * 0.1
+    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128, generator=g))
+    starts = torch.randint(0, max(1, num_keys // 3), (num_q,), generator=g, dtype=torch.int32).clamp(max=num_keys)
+    ends = (starts + torch.randint(0, num_keys + 1, (num_q,), generator=g, dtype=torch.int32)).clamp(max=num_keys)
+    return tuple(t.to(device) for t in (q, weights, k_fp8, k_scale, starts, ends))
+
+
+def assert_logits_close(got, ref, bound):
+    """Same -inf pattern; finite scores within LOGITS_RTOL of their magnitude bound."""
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite), f"seed {SEED}: -inf pattern differs"
+    err = (got - ref).abs()[finite]
+    ratio = (err / (bound[finite] + 1e-30)).max().item() if err.numel() else 0.0
+    assert ratio <= LOGITS_RTOL, f"seed {SEED}: logits off by {ratio:.3g} of their magnitude bound"
+
+
+def check_ragged(q, weights, k_fp8, k_scale, starts, ends):
+    got = indexer_logits(q, weights, k_fp8, k_scale, starts, ends, backend="triton")
+    ref = reference.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
+    bound = reference.indexer_logits(q, weights.abs(), k_fp8, k_scale, starts, ends)
+    assert_logits_close(got, ref, bound)
+    return got
+
+
+def paged_inputs(batch, next_n, num_heads, lens, device, g):
+    """An indexer pool with random keys in scattered blocks, its block table and decode queries."""
+    max_len = max(lens)
+    blocks_per_seq = max(1, -(-max_len // BLOCK_SIZE))
+    num_blocks = batch * blocks_per_seq + 2
+    pool = torch.randint(0, 256, (num_blocks, BLOCK_SIZE, 1, 132), generator=g, dtype=torch.uint8)
+    keys, scales = indexer_block_views(pool)
+    k, s = quantize_indexer_key(torch.randn(num_blocks, BLOCK_SIZE, 128, generator=g))
+    keys.copy_(k)
+    scales.copy_(s)
+    table = random_block_table(batch, blocks_per_seq, num_blocks, generator=g)
+    q = (torch.randn(batch, next_n, num_heads, 128, generator=g) * 40).to(torch.float8_e4m3fn)
+    weights = torch.randn(batch * next_n, num_heads, generator=g) * 0.1
+    lens = torch.tensor(lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, weights, pool, lens, table)) + (max_len + 5,)
+
+
+def check_paged(q, weights, pool, lens, table, width):
+    got = indexer_logits_paged(q, weights, pool, lens, table, width, backend="triton")
+    ref = reference.indexer_logits_paged(q, weights, pool, lens, table, width)
+    bound = reference.indexer_logits_paged(q, weights.abs(), pool, lens, table, width)
+    assert_logits_close(got, ref, bound)
+    return got
+
+
+def check_topk(logits, topk, starts=None, ends=None):
+    got = indexer_topk(logits, topk, starts, ends, backend="triton")
+    ref = indexer_topk(logits, topk, starts, ends, backend="reference")
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    assert torch.equal(got, ref), f"seed {SEED}: {int((got != ref).sum())} positions differ"
+
+
+def tricky_logits(rows, length, device, g):
+    """Rows with heavy ties, -inf and NaN holes, tiny and signed zeros, and plain normal scores."""
+    x = torch.randn(rows, length, generator=g)
+    x[0::4] = torch.randint(0, 7, (x[0::4].shape), generator=g).float()  # many exact ties
+    x[1::4, ::3] = float("-inf")
+    x[1::4, 1::11] = float("nan")
+    x[2::4] = -torch.rand(x[2::4].shape, generator=g) * 1e-38  # subnormal negatives and zeros
+    x[2::4, ::5] = 0.0
+    x[2::4, 1::5] = -0.0
+    return x.to(device)
+
+
+def check_fused(q, weights, k_fp8, k_scale, starts, ends, topk, chunk):
+    got = indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, topk, chunk=chunk, backend="triton")
+    logits = indexer_logits(q, weights, k_fp8, k_scale, starts, ends, backend="triton")
+    want = indexer_topk(logits, topk, starts, ends, backend="reference")
+    assert torch.equal(got, want), f"seed {SEED}: fused top-k differs at {int((got != want).sum())} places"
+
+
+cuda = torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hadamard_is_bit_exact(dtype):
+    x = torch.randn(3, 257, 128, generator=generator(1)).to(cuda, dtype)
+    assert torch.equal(hadamard_transform(x, backend="triton"), hadamard_transform(x, backend="reference"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q, num_heads, num_keys", [(1, 64, 100), (37, 64, 5000), (300, 32, 2049), (5, 3, 700)])
+def test_ragged_logits_match_reference(num_q, num_heads, num_keys):
+    check_ragged(*ragged_inputs(num_q, num_heads, num_keys, cuda, generator(num_q, num_heads, num_keys)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n, num_heads, lens", [(1, 64, [1, 64, 65, 3000]), (2, 64, [2, 777]),
+                                                    (3, 16, [5, 130, 1000]), (4, 20, [4, 64])])
+def test_paged_logits_match_reference(next_n, num_heads, lens):
+    check_paged(*paged_inputs(len(lens), next_n, num_heads, lens, cuda, generator(next_n, num_heads, len(lens))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, length, topk", [(8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (4, 5000, 8192)])
+def test_topk_matches_reference_on_same_logits(rows, length, topk):
+    g = generator(rows, length, topk)
+    logits = tricky_logits(rows, length, cuda, g)
+    check_topk(logits, topk)
+    starts = torch.randint(0, length, (rows,), generator=g, dtype=torch.int32)
+    ends = (starts + torch.randint(0, length, (rows,), generator=g, dtype=torch.int32)).clamp(max=length)
+    check_topk(logits, topk, starts.to(cuda), ends.to(cuda))
+
+
+@pytest.mark.gpu
+def test_topk_of_rows_with_nothing_finite_is_all_minus_one():
+    logits = torch.full((3, 500), float("-inf"), device=cuda)
+    logits[1] = float("nan")
+    got = indexer_topk(logits, 128, backend="triton")
+    assert (got == -1).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk, chunk", [(64, 1000), (2048, 4096), (512, 333)])
+def test_fused_topk_equals_topk_of_logits(topk, chunk):
+    inputs = ragged_inputs(70, 64, 9000, cuda, generator(topk, chunk))
+    check_fused(*inputs, topk, chunk)
+
+
+@pytest.mark.gpu
+def test_decode_at_128k_context():
+    """Paged logits of 2 requests at 128K context, then top-2048 from them, both backends."""
+    q, weights, pool, lens, table, width = paged_inputs(2, 1, 64, [131072, 100000], cuda, generator(128))
+    logits = check_paged(q, weights, pool, lens, table, width)
+    check_topk(logits, 2048)
+
+
+INTERPRETER_RAGGED = [(3, 16, 300), (2, 5, 130)]  # tiny: the interpreter is slow
+
+
+def run_interpreter_cases() -> None:
+    from flashdsa.runtime.indexer.triton.interpreter import patch_interpreter
+
+    patch_interpreter()
+    cpu = torch.device("cpu")
+    x = torch.randn(3, 5, 128, generator=generator(2))
+    assert torch.equal(hadamard_transform(x, backend="triton"), hadamard_transform(x, backend="reference"))
+    xb = x.bfloat16()
+    assert torch.equal(hadamard_transform(xb, backend="triton"), hadamard_transform(xb, backend="reference"))
+    for num_q, num_heads, num_keys in INTERPRETER_RAGGED:
+        inputs = ragged_inputs(num_q, num_heads, num_keys, cpu, generator(num_q))
+        check_ragged(*inputs)
+        check_fused(*inputs, 16, 100)
+    check_paged(*paged_inputs(2, 2, 16, [3, 150], cpu, generator(3)))
+    logits = tricky_logits(4, 1500, cpu, generator(4))
+    check_topk(logits, 64)
+    check_topk(logits, 32, torch.tensor([0, 100, 7, 1500], dtype=torch.int32),
+               torch.tensor([1500, 120, 1499, 1500], dtype=torch.int32))
+
+
+def test_indexer_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+
+
+def run_memcheck_case() -> None:
+    """Small GPU cases of every indexer kernel (ranges, short contexts, -1 padding) for compute-sanitizer."""
+    inputs = ragged_inputs(9, 64, 700, cuda, generator(5))
+    check_ragged(*inputs)
+    check_fused(*inputs, 64, 256)
+    check_paged(*paged_inputs(3, 2, 64, [2, 65, 300], cuda, generator(6)))
+    check_topk(tricky_logits(4, 900, cuda, generator(7)), 1024)
+    hadamard_transform(torch.randn(7, 128, device=cuda), backend="triton")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    torch.set_num_threads(2)
+    run_interpreter_cases()
+elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
+    run_memcheck_case()
