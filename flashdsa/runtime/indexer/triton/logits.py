@@ -118,22 +118,25 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
                  mask=(tl.arange(0, NEXT_N) < next_n)[:, None] & (pos < max_context_len)[None, :])
 
 
-def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int) -> torch.Tensor:
+def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
+                         blocks_per_program: int = BLOCKS_PER_PROGRAM, num_warps: int = 4,
+                         num_stages: int = 3) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
-    query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond."""
+    query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond.
+    The keyword knobs set the launch (benchmarks sweep them)."""
     batch, next_n, num_heads, _ = q_fp8.shape
     out = torch.empty(batch * next_n, max_context_len, dtype=torch.float32, device=q_fp8.device)
     if out.numel() == 0:
         return out
     block_size = k_cache.shape[1]
     blocks = triton.cdiv(max_context_len, block_size)
-    grid = (batch, triton.cdiv(blocks, BLOCKS_PER_PROGRAM))
+    grid = (batch, triton.cdiv(blocks, blocks_per_program))
     table = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     _paged_kernel[grid](
         q_fp8.contiguous(), weights.contiguous(), k_cache, context_lens, table, out,
         num_heads, next_n, max_context_len, table.stride(0),
         NEXT_N=triton.next_power_of_2(next_n), H=_pad_heads(num_heads), D=INDEX_HEAD_DIM,
-        BLOCK_SIZE=block_size, BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4,
+        BLOCK_SIZE=block_size, BLOCKS=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -132,7 +132,8 @@ def _check_topk(topk: int) -> int:
     return triton.next_power_of_2(topk)
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor, *,
+                 num_warps: int = 8) -> torch.Tensor:
     """logits: [T, L] fp32, starts/ends: [T] int32 -> [T, topk] int32 columns of the topk
     largest finite scores in [start, end), score descending, ties to the lower column, -1 padded."""
     k_pad = _check_topk(topk)
@@ -144,7 +145,7 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: to
     scratch = torch.empty(num_rows, k_pad, dtype=torch.int32, device=logits.device)
     _topk_kernel[(num_rows,)](
         logits, logits.stride(0), starts, ends, 0, 0, out, 0, 0, 0, scratch, out, out.stride(0), logits, 0, topk,
-        RANGES=True, PREFIX=False, VALUES=False, K_PAD=k_pad, BLOCK=BLOCK, num_warps=8,
+        RANGES=True, PREFIX=False, VALUES=False, K_PAD=k_pad, BLOCK=BLOCK, num_warps=num_warps,
     )
     return out
 

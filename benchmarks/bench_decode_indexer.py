@@ -1,0 +1,211 @@
+"""Triton sparse decode over the FP8 cache, FP8 indexer (decode and prefill), top-k, cache writes.
+
+- decode: b=128, s_q=2, h_q=128, topk=2048, s_kv=32K per request, slot ids uniform over each
+  request's context; FLOPs 2*h_q*topk*(d_qk+d_v) per query token; floor 200 TFLOPS. A sweep of
+  (keys per step, warps, stages) with each variant's registers, spills and shared memory.
+- indexer decode: b=64, context 128K, H=64: paged logits + top-2048, GB/s of indexer cache read
+  (132 B/token) vs 50% of the copy bandwidth measured in the same run (bytes read + written).
+- indexer prefill: 4096 queries over 64K keys (causal ranges): logits (FP8 TFLOPS over the
+  in-range pairs) and the fused score + top-2048.
+- top-k 2048 of 128K per row, 128 rows, vs torch.topk (floor 3x).
+- cache writes: 16K tokens.
+
+    python3 benchmarks/bench_decode_indexer.py [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import Row, median_ms, report, table
+from flashdsa.runtime.cache.triton import writes
+from flashdsa.runtime.indexer.triton import logits, topk
+from flashdsa.runtime.kernels.triton import sparse_decode
+
+log = logging.getLogger("bench_decode_indexer")
+BS = 64  # cache block size
+DECODE = dict(b=128, s_q=2, h_q=128, topk=2048, s_kv=32768)
+DECODE_FLOOR = 200.0
+DECODE_CONFIGS = [(64, 8, 1), (64, 8, 2), (32, 8, 2), (32, 4, 2), (64, 4, 2)]
+INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
+PAGED_CONFIGS = [(16, 4, 3), (32, 4, 3), (16, 8, 2), (8, 4, 4)]
+PREFILL_Q, PREFILL_KEYS = 4096, 65536
+
+
+def copy_bandwidth(device) -> float:
+    """GB/s of a 2 GiB device-to-device copy, bytes read plus bytes written."""
+    src = torch.empty(1 << 29, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = median_ms([lambda: dst.copy_(src)], iters=20)
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def fp8_bytes(shape, device) -> torch.Tensor:
+    """Random e4m3 bytes without NaN codes (0x7F / 0xFF)."""
+    b = torch.randint(0, 256, shape, dtype=torch.uint8, device=device)
+    return torch.where((b & 0x7F) == 0x7F, b ^ 1, b)
+
+
+def block_table(batch: int, blocks: int, device) -> torch.Tensor:
+    return torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
+
+
+def compiled_stats(jit_fn, before: set) -> str:
+    cache = next(iter(jit_fn.device_caches.values()))[0]
+    return "; ".join(f"{cache[k].n_regs} regs, {cache[k].n_spills} spills, {cache[k].metadata.shared // 1024} KiB smem"
+                     for k in set(cache) - before)
+
+
+def cache_keys(jit_fn) -> set:
+    caches = list(jit_fn.device_caches.values())
+    return set(caches[0][0]) if caches else set()
+
+
+def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
+    blocks = s_kv // BS
+    pool = fp8_bytes((b * blocks, BS, 1, 656), device)
+    pool.view(torch.float32)[..., 128:132].uniform_(1e-3, 1e-2)  # tile scales
+    pool.view(torch.bfloat16)[..., 264:].normal_()  # k_pe
+    sets = []
+    for _ in range(2):
+        table = block_table(b, blocks, device)
+        pos = torch.randint(0, s_kv, (b, s_q, topk), device=device)
+        slots = (table.long().gather(1, (pos // BS).view(b, -1)).view(b, s_q, topk) * BS + pos % BS).to(torch.int32)
+        sets.append((torch.randn(b, s_q, h_q, 576, device=device, dtype=torch.bfloat16) / 10, slots))
+    flops = b * s_q * 2 * h_q * topk * (576 + 512)
+    shape = f"b={b} s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv // 1024}K"
+    rows = []
+    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:1]
+    for block_n, warps, stages in tqdm(configs, desc=f"decode {shape}"):
+        config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+        before = cache_keys(sparse_decode._decode_partial_kernel)
+        calls = [lambda s=s: sparse_decode.sparse_mla_decode(s[0], pool, s[1], 576**-0.5, 512, config=config)
+                 for s in sets]
+        try:
+            ms = median_ms(calls, iters=20)
+        except Exception as e:  # e.g. out of shared memory: report and go on
+            log.warning("decode %s failed: %s", config, str(e).splitlines()[0][:200])
+            continue
+        note = f"N={block_n} w={warps} st={stages}: {compiled_stats(sparse_decode._decode_partial_kernel, before)}"
+        rows.append(Row("sparse_mla_decode triton", shape, ms, flops / ms / 1e9, "TFLOPS", DECODE_FLOOR, note))
+        print(rows[-1])
+    return rows
+
+
+def bench_indexer_decode(device, copy_gbs) -> list[Row]:
+    blocks = INDEXER_CTX // BS
+    pool = fp8_bytes((INDEXER_B * blocks, BS, 1, 132), device)
+    scales = pool.view(INDEXER_B * blocks, -1)[:, BS * 128:].view(torch.float32)
+    scales.copy_(torch.exp2(torch.randint(-10, -4, scales.shape, device=device).float()))
+    table = block_table(INDEXER_B, blocks, device)
+    lens = torch.full((INDEXER_B,), INDEXER_CTX, dtype=torch.int32, device=device)
+    q = fp8_bytes((INDEXER_B, 1, INDEXER_H, 128), device).view(torch.float8_e4m3fn)
+    w = torch.randn(INDEXER_B, INDEXER_H, device=device)
+    read = INDEXER_B * INDEXER_CTX * 132
+    target = 0.5 * copy_gbs
+    shape = f"b={INDEXER_B} ctx={INDEXER_CTX // 1024}K H={INDEXER_H}"
+    rows, best = [], None
+    for blocks_pp, warps, stages in PAGED_CONFIGS:
+        knobs = dict(blocks_per_program=blocks_pp, num_warps=warps, num_stages=stages)
+        ms = median_ms([lambda: logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **knobs)])
+        rows.append(Row("indexer logits paged", shape, ms, read / ms / 1e6, "GB/s", target,
+                        f"blocks={blocks_pp} w={warps} st={stages}"))
+        print(rows[-1])
+        best = knobs if best is None or ms < min(r.ms for r in rows[:-1]) else best
+    scores = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
+    starts = torch.zeros(INDEXER_B, dtype=torch.int32, device=device)
+    ends = torch.full_like(starts, INDEXER_CTX)
+    ms_topk = median_ms([lambda: topk.indexer_topk(scores, TOPK, starts, ends)])
+    rows.append(Row("indexer top-k (decode rows)", shape + f" topk={TOPK}", ms_topk, read / ms_topk / 1e6, "GB/s",
+                    target, "top-k alone, rate in cache bytes"))
+
+    def both():
+        s = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
+        return topk.indexer_topk(s, TOPK, starts, ends)
+
+    ms = median_ms([both])
+    rows.append(Row("indexer logits + top-k decode", shape + f" topk={TOPK}", ms, read / ms / 1e6, "GB/s", target,
+                    f"{100 * read / ms / 1e6 / copy_gbs:.0f}% of copy {copy_gbs:.0f} GB/s; {best}"))
+    print(rows[-1])
+    return rows
+
+
+def bench_indexer_prefill(device) -> list[Row]:
+    q = fp8_bytes((PREFILL_Q, INDEXER_H, 128), device).view(torch.float8_e4m3fn)
+    w = torch.randn(PREFILL_Q, INDEXER_H, device=device)
+    k = fp8_bytes((PREFILL_KEYS, 128), device).view(torch.float8_e4m3fn)
+    k_scale = torch.rand(PREFILL_KEYS, device=device)
+    starts = torch.zeros(PREFILL_Q, dtype=torch.int32, device=device)
+    ends = torch.arange(PREFILL_KEYS - PREFILL_Q + 1, PREFILL_KEYS + 1, dtype=torch.int32, device=device)
+    pairs = ends.double().sum().item()
+    flops = 2 * INDEXER_H * 128 * pairs
+    shape = f"s_q={PREFILL_Q} keys={PREFILL_KEYS // 1024}K H={INDEXER_H} causal"
+    ms = median_ms([lambda: logits.indexer_logits(q, w, k, k_scale, starts, ends)], iters=10)
+    rows = [Row("indexer logits prefill", shape, ms, flops / ms / 1e9, "TFLOPS", 1.0, "report only (fp8 dots)")]
+    ms = median_ms([lambda: topk.indexer_fused_topk(q, w, k, k_scale, starts, ends, TOPK, 4096)], warmup=1, iters=5)
+    rows.append(Row("indexer fused score+top-k prefill", shape + f" topk={TOPK}", ms, flops / ms / 1e9, "TFLOPS",
+                    1.0, "report only; chunk 4096"))
+    for r in rows:
+        print(r)
+    return rows
+
+
+def bench_topk(device) -> list[Row]:
+    sets = [torch.randn(128, 131072, device=device) for _ in range(4)]
+    starts = torch.zeros(128, dtype=torch.int32, device=device)
+    ends = torch.full_like(starts, 131072)
+    ms_torch = median_ms([lambda x=x: torch.topk(x, TOPK, dim=-1) for x in sets])
+    rows = []
+    for warps in (4, 8, 16):
+        ms = median_ms([lambda x=x: topk.indexer_topk(x, TOPK, starts, ends, num_warps=warps) for x in sets])
+        rows.append(Row("indexer_topk triton", f"128 rows x 128K, topk={TOPK}", ms, ms_torch / ms, "x torch.topk", 3.0,
+                        f"torch.topk {ms_torch:.3f} ms; w={warps}"))
+        print(rows[-1])
+    return rows
+
+
+def bench_writes(device) -> list[Row]:
+    tokens, blocks = 16384, 1024
+    x = torch.randn(tokens, 576, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(blocks * BS, device=device)[:tokens]
+    mla = torch.zeros(blocks, BS, 1, 656, dtype=torch.uint8, device=device)
+    idx = torch.zeros(blocks, BS, 1, 132, dtype=torch.uint8, device=device)
+    ms = median_ms([lambda: writes.write_mla_cache(x[:, :512], x[:, 512:], mla, slots)])
+    rows = [Row("write_mla_cache triton", f"T={tokens}", ms, tokens * (576 * 2 + 656) / ms / 1e6, "GB/s", 1.0,
+                "report only")]
+    ms = median_ms([lambda: writes.write_indexer_cache(x[:, :128], idx, slots)])
+    rows.append(Row("write_indexer_cache triton", f"T={tokens}", ms, tokens * (128 * 2 + 132) / ms / 1e6, "GB/s", 1.0,
+                    "report only"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", help="append the table to this Markdown file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth(device)
+    rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
+    steps = [lambda: bench_decode(device, **DECODE),
+             lambda: bench_decode(device, 4, 1, 128, 2048, 32768, sweep=False),
+             lambda: bench_indexer_decode(device, copy_gbs), lambda: bench_topk(device),
+             lambda: bench_indexer_prefill(device), lambda: bench_writes(device)]
+    for step in tqdm(steps, desc="benchmarks"):
+        try:
+            rows += step()
+        except Exception as e:  # one failing kernel must not hide the other figures
+            log.exception("benchmark step failed: %s", e)
+        torch.cuda.empty_cache()
+    if args.output:
+        report("Sparse decode, FP8 indexer, top-k, cache writes (Triton)", rows, args.output)
+    else:
+        print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
