@@ -15,6 +15,12 @@ from flashdsa.runtime.cache.pool import indexer_pool
 from flashdsa.runtime.indexer import hadamard_transform
 
 
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests pin down the reference ops; GPU backends are tested against them elsewhere."""
+    monkeypatch.setenv("FLASHDSA_BACKEND", "reference")
+
+
 def decode_e4m3(b: torch.Tensor) -> torch.Tensor:
     """Independent e4m3fn decoder from the bits: s.eeee.mmm, bias 7, no infinities."""
     b = b.long()

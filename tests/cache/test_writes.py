@@ -9,6 +9,12 @@ from flashdsa.runtime.cache import layout, write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
 from flashdsa.runtime.indexer import hadamard_transform
 
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests pin down the reference ops; GPU backends are tested against them elsewhere."""
+    monkeypatch.setenv("FLASHDSA_BACKEND", "reference")
+
 POISON = 0xFF
 
 

@@ -7,6 +7,12 @@ from flashdsa.runtime import dispatch
 from flashdsa.runtime.indexer import hadamard_transform
 
 
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests pin down the reference ops; GPU backends are tested against them elsewhere."""
+    monkeypatch.setenv("FLASHDSA_BACKEND", "reference")
+
+
 def sylvester(n: int) -> torch.Tensor:
     """Explicit Sylvester Hadamard matrix: H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]."""
     h = torch.ones(1, 1, dtype=torch.float64)

@@ -140,6 +140,12 @@ RAGGED_OK = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests pin down the reference ops; GPU backends are tested against them elsewhere."""
+    monkeypatch.setenv("FLASHDSA_BACKEND", "reference")
+
+
 @pytest.mark.parametrize("name, bad", [
     ("q_fp8", torch.randn(3, 2, 128).bfloat16()),
     ("q_fp8", torch.randn(3, 128).to(torch.float8_e4m3fn)),

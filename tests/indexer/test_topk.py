@@ -13,6 +13,12 @@ from flashdsa.runtime.indexer import (
 )
 
 
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    """These tests pin down the reference ops; GPU backends are tested against them elsewhere."""
+    monkeypatch.setenv("FLASHDSA_BACKEND", "reference")
+
+
 def brute_force_topk(logits, topk, starts, ends):
     """Independent oracle: sort in-range finite positions by (score desc, position asc)."""
     rows = []
