@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashdsa.runtime import dispatch
+from flashdsa.runtime import dispatch, indexer
 from flashdsa.runtime.indexer import hadamard_transform
 
 
@@ -71,3 +71,12 @@ def test_rejects_bad_input_naming_x(bad):
 def test_every_indexer_op_has_reference_and_triton_backends_registered():
     ops = ("hadamard_transform", "indexer_logits", "indexer_logits_paged", "indexer_topk", "indexer_fused_topk")
     assert all(dispatch.available(op) == ["triton", "reference"] for op in ops)
+
+
+@pytest.mark.parametrize("facts, reason", [
+    (dict(head_dim=64), "head_dim"), (dict(dtype=torch.float64), "float64"), (dict(topk=8193), "topk"),
+    (dict(block_size=48), "block size"),
+])
+def test_triton_support_check_names_what_it_cannot_serve(facts, reason):
+    assert reason in indexer._triton_supports(**facts)
+    assert indexer._triton_supports(head_dim=128, dtype=torch.bfloat16, topk=2048, block_size=64) is None

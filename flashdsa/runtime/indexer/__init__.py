@@ -14,7 +14,8 @@ function's arguments positionally, already validated, with ``starts``/``ends`` a
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_topk
   indexer_fused_topk     reference  flashdsa.runtime.indexer.reference:indexer_fused_topk
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_fused_topk
-Triton support check (facts ``head_dim``, ``dtype``, ``topk``): head_dim 128 and no float64 input.
+Triton support check (facts ``head_dim``, ``dtype``, ``topk``, ``block_size``): head_dim 128, no
+float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size.
 """
 
 from __future__ import annotations
@@ -37,11 +38,20 @@ _TRITON_MODULE = {
 }
 
 
-def _triton_supports(head_dim: int = INDEX_HEAD_DIM, dtype: Optional[torch.dtype] = None, **_) -> Optional[str]:
+TRITON_MAX_TOPK = 8192  # the triton top-k sorts its selection in registers
+
+
+def _triton_supports(
+    head_dim: int = INDEX_HEAD_DIM, dtype: Optional[torch.dtype] = None, topk: int = 1, block_size: int = 64, **_
+) -> Optional[str]:
     if head_dim != INDEX_HEAD_DIM:
         return f"triton indexer kernels need head_dim 128, got {head_dim}"
     if dtype == torch.float64:
         return "triton indexer kernels take bf16/fp16/fp32, not float64"
+    if topk > TRITON_MAX_TOPK:
+        return f"triton indexer top-k supports topk <= {TRITON_MAX_TOPK}, got {topk}"
+    if block_size & (block_size - 1):
+        return f"triton paged indexer needs a power-of-two block size, got {block_size}"
     return None
 
 
@@ -185,7 +195,7 @@ def indexer_logits_paged(
     check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 132]", device)
     _check_paged(context_lens, block_tables, k_cache.shape[0], k_cache.shape[1], batch, next_n, max_context_len, device)
-    impl = dispatch.select("indexer_logits_paged", device, backend, head_dim=INDEX_HEAD_DIM)
+    impl = dispatch.select("indexer_logits_paged", device, backend, block_size=k_cache.shape[1])
     return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len)
 
 
