@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
@@ -35,6 +36,16 @@ def tiny_config(vocab_size: int, index_topk: int = 8) -> DeepseekV32Config:
         first_k_dense_replace=1, index_n_heads=4, index_head_dim=16, index_topk=index_topk,
         max_position_embeddings=256, eos_token_id=1,
     )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny shapes here run fastest on one thread (two threads spin against each other when the
+    machine is busy); restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
