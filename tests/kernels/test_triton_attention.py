@@ -189,7 +189,19 @@ def test_kernels_under_interpreter():
     assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
 
 
+def run_memcheck_case() -> None:
+    """A small GPU case full of invalid indices for ``compute-sanitizer --tool memcheck`` (run with
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 so every tensor is its own allocation)."""
+    q, kv, indices = inputs(5, 70, 128, 576, 128, cuda, invalid=0.3, out_of_range=0.3, duplicates=True)
+    for deterministic in (False, True):
+        check_bwd(q, kv, indices, deterministic)
+    torch.cuda.synchronize()
+    print("memcheck case ran")
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     torch.set_num_threads(2)
     run_interpreter_cases()
+elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
+    run_memcheck_case()

@@ -15,10 +15,10 @@ import triton.language as tl
 from flashdsa.runtime.dispatch import interpreting
 from flashdsa.runtime.kernels.triton._gather import LOG2E, NOPE, gather_kv, head_blocking, load_heads, mma, to_bf16
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)  # natural log of 2, readable inside the kernel
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["h_q", "s_kv"])
 def _sparse_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, max_logits_ptr, lse_ptr,
     h_q, s_kv, scale_log2,

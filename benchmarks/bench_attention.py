@@ -1,0 +1,155 @@
+"""Sparse MLA prefill forward and backward (Triton) at DeepSeek-V3.2 shapes: TFLOPS vs the floors.
+
+s_q = 4096 query tokens, h_q = 128, d_qk = 576, d_v = 512, topk = 2048 distinct indices drawn
+uniformly over a context of s_kv = 8K / 64K / 128K. FLOPs per query token: forward
+2*h_q*topk*(d_qk + d_v), backward 2*h_q*topk*(2*d_v + 3*d_qk). ``--sweep`` also times kernel
+configurations (keys per step, warps, pipeline stages) and prints each compiled variant's
+registers, spills and shared memory.
+
+    python3 benchmarks/bench_attention.py [--sweep] [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import Row, input_sets_for, median_ms, report
+from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_fwd
+
+S_Q, H_Q, D_QK, D_V, TOPK = 4096, 128, 576, 512, 2048
+FWD_FLOOR, BWD_FLOOR = 300.0, 120.0  # TFLOPS, issue 4 floors on one H100
+FWD_CONFIGS = [(64, 8, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1), (32, 4, 3)]  # (keys per step, warps, stages)
+DQ_CONFIGS = [(32, 8, 2), (32, 8, 1), (64, 8, 1), (16, 8, 2), (16, 8, 3)]
+DKV_CONFIGS = [(64, 4, 3), (64, 4, 2), (128, 8, 2), (32, 4, 3)]
+ROWS_PER_DRAW = 256  # query rows whose distinct indices are drawn at once
+
+log = logging.getLogger("bench_attention")
+
+
+def uniform_indices(s_kv: int, device: torch.device) -> torch.Tensor:
+    """int32 [S_Q, 1, TOPK]: distinct positions per row, uniform over [0, s_kv)."""
+    rows = [torch.rand(ROWS_PER_DRAW, s_kv, device=device).topk(TOPK, dim=-1).indices
+            for _ in range(0, S_Q, ROWS_PER_DRAW)]
+    return torch.cat(rows).to(torch.int32).view(S_Q, 1, TOPK)
+
+
+def make_sets(s_kv: int, device: torch.device) -> list[tuple]:
+    """Input sets to rotate (q, kv, indices, out, dout, lse), together larger than the L2."""
+    per_set = S_Q * H_Q * (D_QK + 2 * D_V) * 2 + s_kv * D_QK * 2 + S_Q * TOPK * 4
+    sets = []
+    for _ in range(input_sets_for(per_set, at_most=3)):
+        q = torch.randn(S_Q, H_Q, D_QK, device=device, dtype=torch.bfloat16) / 10
+        kv = torch.randn(s_kv, 1, D_QK, device=device, dtype=torch.bfloat16) / 10
+        indices = uniform_indices(s_kv, device)
+        out, _, lse = sparse_fwd.sparse_mla_fwd(q, kv, indices, D_QK ** -0.5, D_V)
+        sets.append((q, kv, indices, out, torch.randn_like(out), lse))
+    return sets
+
+
+def fwd_calls(sets, **knobs):
+    return [lambda s=s: sparse_fwd.sparse_mla_fwd(*s[:3], D_QK ** -0.5, D_V, **knobs) for s in sets]
+
+
+def bwd_calls(sets, deterministic=False, **knobs):
+    return [lambda s=s: sparse_bwd.sparse_mla_bwd(s[0], s[1], s[3], s[4], s[5], s[2], D_QK ** -0.5, D_V,
+                                                   deterministic, **knobs) for s in sets]
+
+
+def dkv_calls(sets, **knobs):
+    """The whole backward with the dkv kernel's configuration set to ``knobs`` (bench-only patch)."""
+    def call(s):
+        saved = dict(sparse_bwd.DKV_CONFIG)
+        sparse_bwd.DKV_CONFIG.update(block_n=knobs["block_n"], warps=knobs["num_warps"], stages=knobs["num_stages"])
+        try:
+            return bwd_calls([s])[0]()
+        finally:
+            sparse_bwd.DKV_CONFIG.update(saved)
+    return [lambda s=s: call(s) for s in sets]
+
+
+def tflops(flops_per_token: float, ms: float) -> float:
+    return flops_per_token * S_Q / ms / 1e9
+
+
+FWD_FLOPS = 2 * H_Q * TOPK * (D_QK + D_V)
+BWD_FLOPS = 2 * H_Q * TOPK * (2 * D_V + 3 * D_QK)
+
+
+def compiled_stats(jit_fn, before: set) -> str:
+    """Registers, spills and shared memory of the variants ``jit_fn`` compiled since ``before``."""
+    cache = next(iter(jit_fn.device_caches.values()))[0]
+    notes = []
+    for key in set(cache) - before:
+        k = cache[key]
+        notes.append(f"{k.n_regs} regs, {k.n_spills} spills, {k.metadata.shared // 1024} KiB smem, "
+                     f"{k.metadata.num_warps} warps, {k.metadata.num_stages} stages")
+    return "; ".join(notes)
+
+
+def cache_keys(jit_fn) -> set:
+    caches = list(jit_fn.device_caches.values())
+    return set(caches[0][0]) if caches else set()
+
+
+def sweep(sets) -> list[Row]:
+    """Time each (keys per step, warps, stages) configuration of fwd and bwd at one context."""
+    rows = []
+    shape = f"s_kv={sets[0][1].shape[0] // 1024}K"
+    for name, configs, calls, flops, floor, jit_fn in (
+        ("sweep fwd", FWD_CONFIGS, fwd_calls, FWD_FLOPS, FWD_FLOOR, sparse_fwd._sparse_fwd_kernel),
+        ("sweep bwd dq kernel", DQ_CONFIGS, bwd_calls, BWD_FLOPS, BWD_FLOOR, sparse_bwd._bwd_dq_kernel),
+        ("sweep bwd dkv kernel", DKV_CONFIGS, dkv_calls, BWD_FLOPS, BWD_FLOOR, sparse_bwd._bwd_dkv_kernel),
+    ):
+        for block_n, warps, stages in tqdm(configs, desc=name):
+            before = cache_keys(jit_fn)
+            knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            try:
+                ms = median_ms(calls(sets, **knobs), iters=10)
+            except Exception as e:  # e.g. out of shared memory: report and go on
+                log.warning("%s %s failed: %s", name, knobs, str(e).splitlines()[0][:200])
+                continue
+            note = f"N={block_n} w={warps} st={stages}: {compiled_stats(jit_fn, before)}"
+            rows.append(Row(name, shape, ms, tflops(flops, ms), "TFLOPS", floor, note))
+            print(rows[-1])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", help="append the table to this Markdown file")
+    parser.add_argument("--sweep", action="store_true", help="also time kernel configurations at 64K")
+    parser.add_argument("--s-kv", type=int, nargs="+", default=[8192, 65536, 131072])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    device = torch.device("cuda")
+    rows = []
+    for s_kv in tqdm(args.s_kv, desc="contexts"):
+        sets = make_sets(s_kv, device)
+        shape = f"s_q={S_Q} s_kv={s_kv // 1024}K topk={TOPK} h_q={H_Q} d_qk={D_QK}"
+        if args.sweep and s_kv == 65536:
+            rows += sweep(sets)
+        ms = median_ms(fwd_calls(sets))
+        rows.append(Row("sparse_mla_fwd triton", shape, ms, tflops(FWD_FLOPS, ms), "TFLOPS", FWD_FLOOR))
+        ms_bwd = median_ms(bwd_calls(sets), iters=10)
+        rows.append(Row("sparse_mla_bwd triton", shape, ms_bwd, tflops(BWD_FLOPS, ms_bwd), "TFLOPS", BWD_FLOOR,
+                        "atomic fp32 dkv"))
+        ms_det = median_ms(bwd_calls(sets, deterministic=True), warmup=1, iters=5)
+        rows.append(Row("sparse_mla_bwd triton", shape, ms_det, tflops(BWD_FLOPS, ms_det), "TFLOPS", BWD_FLOOR,
+                        f"deterministic: {ms_det / ms_bwd:.2f}x the atomic time"))
+        for r in rows[-3:]:
+            print(r)
+        del sets
+        torch.cuda.empty_cache()
+    if args.output:
+        report("Sparse MLA prefill attention (Triton)", rows, args.output)
+    else:
+        from benchmarks.common import table
+        print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
