@@ -53,29 +53,34 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
 
 
 def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
-    """Yield ``(name, fp32-or-original tensor)`` for every main-model tensor of the checkpoint,
-    FP8 weights dequantized to fp32, MTP layers skipped (logged once)."""
+    """Yield ``(name, tensor)`` for every main-model tensor of the checkpoint, FP8 weights
+    dequantized to fp32 (their scale may sit in another shard), MTP layers skipped (logged once)."""
     path = Path(path)
     config = config or DeepseekV32Config.from_json(path)
     block = config.weight_block_size or (128, 128)
-    skipped = 0
-    for file in tqdm(checkpoint_files(path), desc="loading shards", unit="file", leave=False):
+    files = checkpoint_files(path)
+    where = {}  # tensor name -> file holding it
+    for file in files:
         with safe_open(file, framework="pt") as f:
-            names = set(f.keys())
-            for name in sorted(names):
+            where.update((name, file) for name in f.keys())
+    skipped = 0
+    for file in tqdm(files, desc="loading shards", unit="file", leave=False):
+        with safe_open(file, framework="pt") as f:
+            for name in sorted(f.keys()):
                 layer = _LAYER.match(name)
                 if layer and int(layer.group(1)) >= config.num_hidden_layers:
                     skipped += 1
                     continue
                 if name.endswith(SCALE_SUFFIX):
-                    if name[: -len(SCALE_SUFFIX)] not in names:
-                        raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]} in the same file")
+                    if name[: -len(SCALE_SUFFIX)] not in where:
+                        raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
                     continue
                 t = f.get_tensor(name)
                 if t.dtype == torch.float8_e4m3fn:
-                    if name + SCALE_SUFFIX not in names:
+                    if name + SCALE_SUFFIX not in where:
                         raise ValueError(f"{file.name}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
-                    t = dequantize_blocks(t, f.get_tensor(name + SCALE_SUFFIX), block)
+                    with safe_open(where[name + SCALE_SUFFIX], framework="pt") as g:
+                        t = dequantize_blocks(t, g.get_tensor(name + SCALE_SUFFIX), block)
                 yield name, t
     if skipped:
         logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not used for generation)", skipped)

@@ -4,7 +4,8 @@ The default keeps V3.2's attention widths (kv_lora_rank 512, qk_rope_head_dim 64
 index_head_dim 128) with few heads, so the FP8 caches and GPU kernels serve it; ``shrink=True``
 shrinks every width for fast CPU tests (reference mode only). Three (shrunk: two) layers: the
 first dense, the rest MoE. Weights are bf16 (``fp8=True``: e4m3 with 128x128 block scales, as the
-official checkpoint) with scales that keep activations near unit size.
+official checkpoint) with scales that keep activations near unit size and each layer's update a fraction of the
+residual stream, as in trained models.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flashdsa.runtime.fp8 import E4M3, E4M3_MAX
 FP8_BLOCK = 128
 # Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
 NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")
 
 COMMON = dict(
     model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], torch_dtype="bfloat16",
@@ -65,8 +67,10 @@ def random_weights(config: DeepseekV32Config, seed: int) -> dict[str, torch.Tens
             w = 0.1 * noise
         elif name.endswith("embed_tokens.weight"):
             w = noise
-        else:  # a Linear [out, in]
+        else:  # a Linear [out, in]; the residual branches' outputs scaled down as in GPT-2
             w = noise / math.sqrt(shape[1])
+            if name.endswith(RESIDUAL_OUT):
+                w = w / math.sqrt(2 * config.num_hidden_layers)
         out[name] = w.to(torch.bfloat16)
     return out
 

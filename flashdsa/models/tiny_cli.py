@@ -1,0 +1,24 @@
+"""``flashdsa make-tiny DIR``: write a tiny random DeepSeek-V3.2 checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flashdsa.models.tiny import make_tiny_checkpoint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="output directory (created if missing)")
+    parser.add_argument("--fp8", action="store_true", help="store e4m3 weights with 128x128 block scales")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
+    parser.add_argument("--shrink", action="store_true", help="shrink every width (fast CPU tests; reference mode only)")
+    parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.shards < 1:
+        raise SystemExit("--shards must be at least 1")
+    path = make_tiny_checkpoint(args.dir, fp8=args.fp8, seed=args.seed, shrink=args.shrink, shards=args.shards)
+    print(f"wrote a tiny DeepSeek-V3.2 checkpoint to {path}")
+    return 0

@@ -1,0 +1,124 @@
+"""Loader: single/sharded/FP8 checkpoints give the same model; broken ones fail with named tensors."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.loader import dequantize_blocks, load_model
+from flashdsa.models.tiny import make_tiny_checkpoint, quantize_blocks
+
+
+def _state(model):
+    return {k: v.float() for k, v in model.state_dict().items()}
+
+
+def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(shrunk, tmp_path):
+    sharded = make_tiny_checkpoint(tmp_path, shrink=True, seed=1, shards=3)
+    assert len(list(sharded.glob("model-*.safetensors"))) == 3
+    one, three = _state(load_model(shrunk, mode="reference")), _state(load_model(sharded, mode="reference"))
+    assert one.keys() == three.keys()
+    for name in one:
+        assert torch.equal(one[name], three[name]), name
+
+
+def test_fp8_checkpoint_is_dequantized_blockwise(shrunk, tmp_path):
+    fp8 = make_tiny_checkpoint(tmp_path, shrink=True, seed=1, fp8=True, shards=2)
+    model = load_model(fp8, mode="reference")
+    reference = _state(load_model(shrunk, mode="reference"))
+    name = "model.layers.0.self_attn.kv_b_proj.weight"
+    w = reference[name]
+    q, scale = quantize_blocks(w)
+    assert torch.equal(model.state_dict()[name], dequantize_blocks(q, scale, (128, 128)))
+    # e4m3 keeps 3 mantissa bits: every weight within 2^-4 of its block's largest scale step
+    for key, value in _state(model).items():
+        assert torch.allclose(value, reference[key], rtol=2**-4, atol=1e-3), key
+    assert not torch.equal(model.state_dict()[name], w), "weights were not quantized at all"
+
+
+def test_dequantize_blocks_uses_one_scale_per_128x128_block():
+    w = torch.ones(130, 260, dtype=torch.float8_e4m3fn)
+    scale = torch.arange(1.0, 7.0).view(2, 3)
+    out = dequantize_blocks(w, scale, (128, 128))
+    assert out[0, 0] == 1 and out[127, 127] == 1 and out[0, 128] == 2 and out[129, 259] == 6
+    with pytest.raises(ValueError, match="scale_inv"):
+        dequantize_blocks(w, scale[:1], (128, 128))
+
+
+def test_mtp_layer_is_skipped_with_one_log_line(shrunk, tmp_path, caplog):
+    path = make_tiny_checkpoint(tmp_path, shrink=True, seed=1)
+    tensors = load_file(path / "model.safetensors")
+    n = DeepseekV32Config.from_json(path).num_hidden_layers
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
+    tensors[f"model.layers.{n}.shared_head.norm.weight"] = torch.randn(64)
+    save_file(tensors, path / "model.safetensors")
+    with caplog.at_level(logging.INFO, logger="flashdsa.models.loader"):
+        load_model(path, mode="reference")
+    assert [r.message for r in caplog.records if "multi-token" in r.message] == [
+        "skipped 2 tensors of the multi-token-prediction layer(s) (not used for generation)"
+    ]
+
+
+def _edit(path, change):
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"), r"missing \(1\): model.layers.1.mlp.experts.2.up_proj"),
+        (lambda t: t.update({"model.layers.0.bogus.weight": torch.zeros(2)}), r"unexpected \(1\): model.layers.0.bogus.weight"),
+        (lambda t: t.update({"lm_head.weight": torch.zeros(3, 64)}), r"mis-shaped \(1\): lm_head.weight: expected \[\d+, 64\], got \[3, 64\]"),
+    ],
+    ids=["missing", "unexpected", "misshaped"],
+)
+def test_broken_checkpoint_names_the_offending_tensor(tmp_path, change, message):
+    path = make_tiny_checkpoint(tmp_path, shrink=True, seed=1)
+    _edit(path, change)
+    with pytest.raises(ValueError, match=message):
+        load_model(path, mode="reference")
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(tmp_path)
+    path = make_tiny_checkpoint(tmp_path / "ckpt", shrink=True, shards=2)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="shards that do not exist.*model-00002-of-00002"):
+        load_model(path, mode="reference")
+
+
+def test_fp8_weight_without_scale_is_rejected(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, shrink=True, fp8=True)
+    _edit(path, lambda t: t.pop("model.layers.0.self_attn.o_proj.weight_scale_inv"))
+    with pytest.raises(ValueError, match="o_proj.weight has no model.layers.0.self_attn.o_proj.weight_scale_inv"):
+        load_model(path, mode="reference")
+
+
+def test_production_mode_keeps_router_bias_and_indexer_weights_in_fp32(full_width):
+    model = load_model(full_width, mode="production")
+    params = dict(model.state_dict())
+    assert params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert params["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert params["model.layers.0.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
+
+
+def test_production_mode_rejects_shrunk_widths(shrunk):
+    with pytest.raises(ValueError, match="production mode needs"):
+        load_model(shrunk, mode="production")
+
+
+def test_config_reads_both_rope_forms(shrunk):
+    raw = json.loads((shrunk / "config.json").read_text())
+    old = DeepseekV32Config.from_dict(raw)
+    rope = {"rope_theta": raw.pop("rope_theta"), "rope_type": "yarn", **raw.pop("rope_scaling")}
+    new = DeepseekV32Config.from_dict({**raw, "rope_parameters": rope})
+    assert new.rope_theta == old.rope_theta and new.softmax_scale == old.softmax_scale
+    assert old.softmax_scale == pytest.approx(32**-0.5 * (0.1 * 1.0 * torch.tensor(4.0).log().item() + 1) ** 2)
+    with pytest.raises(ValueError, match="model_type"):
+        DeepseekV32Config.from_dict({**raw, "model_type": "llama"})
