@@ -65,7 +65,10 @@ class AsyncLLM:
     def check(self, prompt_token_ids: list[int], params: SamplingParams, count: int = 1) -> None:
         """Raise ValueError if the request is invalid here, QueueFull if count more do not fit."""
         self.engine.check_request(prompt_token_ids, params)
-        if self.num_active + count > self.engine.config.max_num_seqs + self.max_queued:
+        capacity = self.engine.config.max_num_seqs + self.max_queued
+        if count > capacity:
+            raise ValueError(f"the request asks for {count} sequences (prompts x n); this server takes {capacity}")
+        if self.num_active + count > capacity:
             raise QueueFull(f"the server is busy: {self.max_queued} requests are already queued")
 
     async def generate(
