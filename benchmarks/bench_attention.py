@@ -17,7 +17,7 @@ import logging
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, input_sets_for, median_ms, report
+from benchmarks.common import Row, input_sets_for, median_ms, report, table
 from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_fwd
 
 S_Q, H_Q, D_QK, D_V, TOPK = 4096, 128, 576, 512, 2048
@@ -79,6 +79,20 @@ FWD_FLOPS = 2 * H_Q * TOPK * (D_QK + D_V)
 BWD_FLOPS = 2 * H_Q * TOPK * (2 * D_V + 3 * D_QK)
 
 
+def kernel_split(call) -> str:
+    """Device time of each kernel in one ``call`` (torch profiler), largest first."""
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        times = sorted(((e.device_time_total / 1000, e.key) for e in prof.key_averages() if e.device_time_total > 0),
+                       reverse=True)
+        return ", ".join(f"{name[:24]} {ms:.1f} ms" for ms, name in times[:3])
+    except Exception as e:  # the profiler is a convenience here, never a reason to fail
+        log.warning("profiler failed: %s", e)
+        return ""
+
+
 def compiled_stats(jit_fn, before: set) -> str:
     """Registers, spills and shared memory of the variants ``jit_fn`` compiled since ``before``."""
     cache = next(iter(jit_fn.device_caches.values()))[0]
@@ -136,7 +150,7 @@ def main() -> None:
         rows.append(Row("sparse_mla_fwd triton", shape, ms, tflops(FWD_FLOPS, ms), "TFLOPS", FWD_FLOOR))
         ms_bwd = median_ms(bwd_calls(sets), iters=10)
         rows.append(Row("sparse_mla_bwd triton", shape, ms_bwd, tflops(BWD_FLOPS, ms_bwd), "TFLOPS", BWD_FLOOR,
-                        "atomic fp32 dkv"))
+                        f"atomic fp32 dkv; {kernel_split(bwd_calls(sets)[0])}"))
         ms_det = median_ms(bwd_calls(sets, deterministic=True), warmup=1, iters=5)
         rows.append(Row("sparse_mla_bwd triton", shape, ms_det, tflops(BWD_FLOPS, ms_det), "TFLOPS", BWD_FLOOR,
                         f"deterministic: {ms_det / ms_bwd:.2f}x the atomic time"))
@@ -147,7 +161,6 @@ def main() -> None:
     if args.output:
         report("Sparse MLA prefill attention (Triton)", rows, args.output)
     else:
-        from benchmarks.common import table
         print(table(rows))
 
 
