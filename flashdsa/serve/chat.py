@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from flashdsa.runtime.sequence import TokenLogprobs
 from flashdsa.serve.app import APIError, ServerState
-from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, token_text, usage
+from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, token_text, usage, while_connected
 from flashdsa.serve.protocol import ChatCompletionRequest
 
 
@@ -70,7 +70,7 @@ async def chat_completions(state: ServerState, body: ChatCompletionRequest, requ
 
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
-    async for index, out in merge(streams):
+    async for index, out in while_connected(request, merge(streams)):
         record(index, out)
     choices = [
         {"index": i, "message": {"role": "assistant", "content": texts[i]},

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from flashdsa.runtime.engine import RequestOutput
 from flashdsa.runtime.sequence import TokenLogprobs
 from flashdsa.serve.app import APIError, ServerState
-from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, token_text, usage
+from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, token_text, usage, while_connected
 from flashdsa.serve.protocol import CompletionRequest
 
 
@@ -114,7 +114,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
         return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
 
     logprob_parts: dict[int, list] = {i: [] for i in range(len(choices))}
-    async for index, out in merge(streams):
+    async for index, out in while_connected(request, merge(streams)):
         logprob_parts[index].append(choices[index].delta(out)[1])
     body_json = chunk(
         [{"index": i, "text": "".join(c.pieces), "logprobs": merge_logprobs(logprob_parts[i]),

@@ -4,9 +4,12 @@ choices), merge their streams, SSE framing and usage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from typing import AsyncIterator
+
+from fastapi import Request
 
 from flashdsa.runtime.engine import RequestOutput
 from flashdsa.runtime.sampling_params import SamplingParams
@@ -64,6 +67,16 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def while_connected(request: Request, items: AsyncIterator) -> AsyncIterator:
+    """items until the client goes away (for non-streaming responses; a streaming response is
+    cancelled by the server itself); closing items then aborts the requests behind them."""
+    async with contextlib.aclosing(items):
+        async for item in items:
+            yield item
+            if await request.is_disconnected():
+                return
 
 
 def usage(prompts: list[list[int]], completion_tokens: int, cached_tokens: int = 0) -> dict:

@@ -1,4 +1,18 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers next to the tests (fake_model, server_thread)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The tiny checkpoints' byte-level BPE tokenizer (512 tokens, DeepSeek specials and chat template)."""
+    from transformers import AutoTokenizer
+
+    from flashdsa.models.tiny_tokenizer import save_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(path)
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,4 +1,4 @@
-"""A deterministic stand-in for DeepseekV32ForCausalLM, and a tiny byte-level tokenizer.
+"""A deterministic stand-in for DeepseekV32ForCausalLM.
 
 The fake writes each token id into its own paged "cache" (one int per slot) and computes the
 next-token logits of a position from the context it reads back through the block table, so a
@@ -10,15 +10,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flashdsa.runtime.cache.allocator import slot_mapping
 from flashdsa.runtime.metadata import BatchMetadata
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def context_logits(context: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -49,25 +43,6 @@ class FakeModel(torch.nn.Module):
             slots = slot_mapping(table[table >= 0], torch.arange(int(meta.positions[t]) + 1))
             rows.append(context_logits(caches[slots], self.config.vocab_size))
         return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
-
-
-def make_tokenizer():
-    """A byte-level BPE tokenizer (~300 tokens) with <bos>/<eos> and a chat template."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<bos>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog. é ü 日本語"] * 4, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>")
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
 
 
 def reference_greedy(prompt_ids: list[int], vocab_size: int, max_tokens: int, eos: int) -> list[int]:

@@ -1,14 +1,8 @@
 """Incremental detokenization: whole characters only, stop strings cut and held back."""
 
 import pytest
-from fake_model import make_tokenizer
 
 from flashdsa.runtime.detokenizer import Detokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
 
 
 def byte_token_ids(tok, text: str) -> list[int]:

@@ -3,16 +3,11 @@ depend on batching, chunking, preemption or prefix-cache hits."""
 
 import pytest
 import torch
-from fake_model import FakeModel, make_tokenizer, reference_greedy
+from fake_model import FakeModel, reference_greedy
 
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.llm import LLM
 from flashdsa.runtime.sampling_params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return make_tokenizer()
 
 
 def prompts_with_shared_prefix(n):
@@ -45,7 +40,7 @@ def test_stop_conditions(tok):
     greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
     by_id = llm.generate([prompt], SamplingParams(stop_token_ids=[want[4]], **greedy), use_tqdm=False)[0].outputs[0]
     assert by_id.token_ids == want[: want.index(want[4]) + 1] and by_id.stop_reason == want[4]
-    full_text = tok.decode(want)
+    full_text = tok.decode(want, skip_special_tokens=True)
     stop = full_text[10:13]
     by_text = llm.generate([prompt], SamplingParams(stop=[stop], **greedy), use_tqdm=False)[0].outputs[0]
     assert by_text.text == full_text[: full_text.index(stop)] and by_text.finish_reason == "stop"

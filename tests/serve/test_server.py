@@ -229,6 +229,7 @@ def test_tokenize_round_trip(server, tiny):
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    before = metric(server, "generation_tokens_total")
     body = {"model": MODEL, "prompt": "Please write a short poem", "max_tokens": 400, "stream": True,
             "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
@@ -237,6 +238,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
         assert next(lines).startswith("data: ")
     wait_until_idle(server)
     assert metric(server, "num_blocks_used") == 0
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    wait_until_idle(server)
+    assert metric(server, "num_blocks_used") == 0
+    assert metric(server, "generation_tokens_total") < before + 300  # both stopped well before 400 tokens
 
 
 def test_zero_blocks_in_use_after_everything(server):
