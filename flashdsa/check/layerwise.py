@@ -3,7 +3,7 @@
 Both models run the same tokens as one prefill. Per layer: cosine and max relative error
 (``max|a - b| / max|b|``) of the hidden states, and the indexer's top-k recall (the share of HF's
 causal choices that flashdsa also picked). A choice that differs only between positions whose
-scores are exactly tied is a *tie swap*, not an error; because a tie swap legitimately changes
+scores are exactly tied is a *tie swap*: it counts as agreement in the recall, and because a tie swap legitimately changes
 what that token attends to, hidden states and logits are compared on the tokens before the first
 tie swap. Then the final logits: cosine, relative error, greedy (argmax) agreement.
 """
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # weights, FP8 caches and indexer): measured on the tiny checkpoints, with margin (see README).
 THRESHOLDS = {
     "reference": dict(layer_rel_err=1e-4, layer_cosine=0.99999, recall=1.0, logits_cosine=0.99999, greedy=1.0),
-    "production": dict(layer_rel_err=float("inf"), layer_cosine=0.99, recall=0.9, logits_cosine=0.99, greedy=0.75),
+    "production": dict(layer_rel_err=float("inf"), layer_cosine=0.985, recall=0.9, logits_cosine=0.985, greedy=0.75),
 }
 TIE_TOL = 1e-5  # scores within TIE_TOL * max|row| of the k-th best count as tied
 
@@ -137,13 +137,13 @@ def run_flashdsa(model: DeepseekV32ForCausalLM, ids: torch.Tensor) -> Run:
 
 
 def _topk_agreement(hf_topk: torch.Tensor, ours: torch.Tensor, scores: torch.Tensor) -> tuple[float, list[int]]:
-    """(recall of HF's causal choices, tokens whose sets differ only by exactly tied scores)."""
+    """(recall of HF's causal choices up to exact ties, tokens whose sets differ only by exactly
+    tied scores). A tie swap counts as agreement."""
     found = total = 0
     tie_rows = []
     for t in range(ours.shape[0]):
         want = {p for p in hf_topk[t].tolist() if 0 <= p <= t}
         got = {p for p in ours[t].tolist() if p >= 0}
-        found += len(want & got)
         total += len(want)
         if want != got and got:
             row = scores[t]
@@ -151,6 +151,8 @@ def _topk_agreement(hf_topk: torch.Tensor, ours: torch.Tensor, scores: torch.Ten
             tol = TIE_TOL * row[torch.isfinite(row)].abs().max()
             if all(abs(row[p] - kth) <= tol for p in want ^ got):
                 tie_rows.append(t)
+                got = want
+        found += len(want & got)
     return found / max(total, 1), tie_rows
 
 

@@ -1,0 +1,108 @@
+"""The model over paged caches: equals transformers in reference mode, and is consistent across
+ways of batching the same tokens (prefill vs decode, alone vs batched, mixed steps)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashdsa.models.batch import contiguous_block_tables, step_metadata
+from flashdsa.models.loader import load_model
+
+
+def _run(model, ids, cached, new, table, caches, all_logits=False):
+    """One forward of ``new[b]`` tokens per sequence (ids concatenated) after ``cached[b]`` tokens."""
+    return model(ids, step_metadata(cached, new, table, all_logits=all_logits), caches)
+
+
+def _assert_close(got, want, rel=1e-5):
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= rel, f"max relative error {err:.2e} > {rel:.0e}"
+
+
+@pytest.fixture(scope="module")
+def reference(shrunk):
+    return load_model(shrunk, mode="reference")
+
+
+def test_reference_logits_match_transformers(reference, hf_shrunk, random_ids):
+    ids = random_ids(150)
+    table = contiguous_block_tables([150])
+    ours = _run(reference, ids, [0], [150], table, reference.allocate_caches(3), all_logits=True)
+    want = hf_shrunk(ids[None]).logits[0]
+    _assert_close(ours, want, 1e-5)
+
+
+def test_decode_after_prefill_equals_recomputing_the_whole_sequence(reference, random_ids):
+    ids = random_ids(100)
+    table = contiguous_block_tables([100])
+    whole = _run(reference, ids, [0], [100], table, reference.allocate_caches(2), all_logits=True)
+    caches = reference.allocate_caches(2)
+    steps = [_run(reference, ids[:90], [0], [90], table, caches)]
+    steps += [_run(reference, ids[p : p + 1], [p], [1], table, caches) for p in range(90, 100)]
+    _assert_close(torch.cat(steps), whole[89:])
+
+
+def test_chunked_prefill_equals_one_prefill(reference, random_ids):
+    ids = random_ids(130)
+    table = contiguous_block_tables([130])
+    whole = _run(reference, ids, [0], [130], table, reference.allocate_caches(3), all_logits=True)
+    caches = reference.allocate_caches(3)
+    _run(reference, ids[:70], [0], [70], table, caches)
+    _assert_close(_run(reference, ids[70:], [70], [60], table, caches, all_logits=True), whole[70:])
+
+
+def test_batch_of_different_lengths_equals_each_alone(reference, random_ids):
+    lengths = [5, 130, 70]
+    seqs = [random_ids(n, seed=i) for i, n in enumerate(lengths)]
+    alone = []
+    for s in seqs:
+        table = contiguous_block_tables([len(s)])
+        alone.append(_run(reference, s, [0], [len(s)], table, reference.allocate_caches(3)))
+    table = contiguous_block_tables(lengths)  # then hand the blocks out in reverse order
+    table = torch.where(table >= 0, int(table.max()) - table, -1).to(torch.int32)
+    batched = _run(reference, torch.cat(seqs), [0, 0, 0], lengths, table, reference.allocate_caches(8))
+    _assert_close(batched, torch.cat(alone))
+
+
+def test_one_forward_mixes_decode_tokens_and_prefill_chunks(reference, random_ids):
+    a, b = random_ids(80, seed=3), random_ids(100, seed=4)
+    table = contiguous_block_tables([80, 100])
+    want = _run(reference, torch.cat([a, b]), [0, 0], [80, 100], table, reference.allocate_caches(4), all_logits=True)
+    caches = reference.allocate_caches(4)
+    _run(reference, torch.cat([a[:79], b[:40]]), [0, 0], [79, 40], table, caches)
+    # sequence 0 decodes its last token while sequence 1 prefills the rest
+    mixed = _run(reference, torch.cat([a[79:], b[40:]]), [79, 40], [1, 60], table, caches, all_logits=True)
+    _assert_close(mixed, torch.cat([want[79:80], want[120:]]))
+
+
+def test_production_mode_runs_on_cpu_close_to_reference(full_width, random_ids):
+    ids = random_ids(96)
+    table = contiguous_block_tables([96])
+    out = {}
+    for mode in ("reference", "production"):
+        model = load_model(full_width, mode=mode)
+        out[mode] = _run(model, ids, [0], [96], table, model.allocate_caches(2), all_logits=True)
+    cosine = F.cosine_similarity(out["production"].flatten(), out["reference"].flatten(), dim=0).item()
+    assert cosine > 0.99, cosine
+    assert out["production"].isfinite().all()
+
+
+def test_production_decode_matches_production_prefill(full_width, random_ids):
+    model = load_model(full_width, mode="production")
+    ids = random_ids(70)
+    table = contiguous_block_tables([70])
+    whole = _run(model, ids, [0], [70], table, model.allocate_caches(2), all_logits=True)
+    caches = model.allocate_caches(2)
+    _run(model, ids[:66], [0], [66], table, caches)
+    steps = torch.cat([_run(model, ids[p : p + 1], [p], [1], table, caches) for p in range(66, 70)])
+    cosine = F.cosine_similarity(steps.flatten(), whole[66:].flatten(), dim=0).item()
+    assert cosine > 0.999, cosine
+
+
+def test_cache_bytes_per_block_counts_both_caches_over_all_layers(full_width, shrunk):
+    production = load_model(full_width, mode="production")
+    assert production.cache_bytes_per_block() == 3 * 64 * (656 + 132)
+    reference = load_model(shrunk, mode="reference")
+    assert reference.cache_bytes_per_block() == 2 * 64 * 4 * (48 + 32)
+    caches = reference.allocate_caches(5)
+    assert len(caches.mla) == 2 and caches.mla[0].shape == (5, 64, 1, 48) and caches.indexer[0].shape == (5, 64, 1, 32)
