@@ -30,9 +30,12 @@ log = logging.getLogger("bench_decode_indexer")
 BS = 64  # cache block size
 DECODE = dict(b=128, s_q=2, h_q=128, topk=2048, s_kv=32768)
 DECODE_FLOOR = 200.0
-DECODE_CONFIGS = [(64, 8, 1), (64, 8, 2), (32, 8, 2), (32, 4, 2), (64, 4, 2)]
+DECODE_CONFIGS = [  # (keys per step, warps, stages, q reloaded each step, d_v split over two launches)
+    (64, 8, 1, False, False), (64, 8, 2, False, False), (64, 8, 1, False, True), (64, 8, 2, False, True),
+    (32, 8, 2, False, True), (64, 4, 2, False, True), (64, 8, 1, True, False), (32, 8, 2, True, True),
+]
 INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
-PAGED_CONFIGS = [(16, 4, 3), (32, 4, 3), (16, 8, 2), (8, 4, 4)]
+PAGED_CONFIGS = [(16, 4, 3), (8, 4, 4), (4, 4, 4)]
 PREFILL_Q, PREFILL_KEYS = 4096, 65536
 
 
@@ -80,8 +83,9 @@ def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
     shape = f"b={b} s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv // 1024}K"
     rows = []
     configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:1]
-    for block_n, warps, stages in tqdm(configs, desc=f"decode {shape}"):
-        config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+    for block_n, warps, stages, q_in_loop, split_dv in tqdm(configs, desc=f"decode {shape}"):
+        config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                                            q_in_loop=q_in_loop, split_dv=split_dv)
         before = cache_keys(sparse_decode._decode_partial_kernel)
         calls = [lambda s=s: sparse_decode.sparse_mla_decode(s[0], pool, s[1], 576**-0.5, 512, config=config)
                  for s in sets]
@@ -90,7 +94,8 @@ def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
         except Exception as e:  # e.g. out of shared memory: report and go on
             log.warning("decode %s failed: %s", config, str(e).splitlines()[0][:200])
             continue
-        note = f"N={block_n} w={warps} st={stages}: {compiled_stats(sparse_decode._decode_partial_kernel, before)}"
+        note = (f"N={block_n} w={warps} st={stages} q_in_loop={q_in_loop} split_dv={split_dv}: "
+                f"{compiled_stats(sparse_decode._decode_partial_kernel, before)}")
         rows.append(Row("sparse_mla_decode triton", shape, ms, flops / ms / 1e9, "TFLOPS", DECODE_FLOOR, note))
         print(rows[-1])
     return rows
@@ -160,7 +165,7 @@ def bench_topk(device) -> list[Row]:
     ends = torch.full_like(starts, 131072)
     ms_torch = median_ms([lambda x=x: torch.topk(x, TOPK, dim=-1) for x in sets])
     rows = []
-    for warps in (4, 8, 16):
+    for warps in (4, 8):
         ms = median_ms([lambda x=x: topk.indexer_topk(x, TOPK, starts, ends, num_warps=warps) for x in sets])
         rows.append(Row("indexer_topk triton", f"128 rows x 128K, topk={TOPK}", ms, ms_torch / ms, "x torch.topk", 3.0,
                         f"torch.topk {ms_torch:.3f} ms; w={warps}"))

@@ -1,9 +1,10 @@
 """Triton indexer kernels (Hadamard, FP8 logits ragged and paged, top-k, fused score + top-k)
 against the reference backend.
 
-Logits: the kernel sums FP8 tensor-core dots in fp32, the reference in float64, so each score
-may differ by fp32 rounding of its terms: we allow 1e-4 of the score's magnitude bound
-``k_scale * sum_h |w_h| relu(q_h . k)`` (the reference evaluated with |weights|); -inf must match.
+Logits: the kernel sums FP8 tensor-core dots (whose in-step accumulation on SM90 keeps fewer
+bits than fp32), the reference in float64, so each score may differ by rounding of its terms:
+we allow 5e-4 of the score's magnitude bound ``k_scale * sum_h |w_h| sum_d |q_hd k_d|`` (the
+reference evaluated on absolute values); -inf must match.
 Top-k: both backends get the same logits and must agree exactly (same positions, same order,
 ties to the lower position). The fused top-k must equal top-k of the Triton logits exactly (each
 score is computed the same way whatever chunk holds it). The Hadamard butterfly is bit-exact.
@@ -31,7 +32,7 @@ from flashdsa.runtime.indexer import (
 from flashdsa.testing import random_block_table
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
-LOGITS_RTOL = 1e-4
+LOGITS_RTOL = 5e-4
 
 
 def generator(*salt: int) -> torch.Generator:
@@ -58,10 +59,14 @@ def assert_logits_close(got, ref, bound):
     assert ratio <= LOGITS_RTOL, f"seed {SEED}: logits off by {ratio:.3g} of their magnitude bound"
 
 
+def fp8_abs(x: torch.Tensor) -> torch.Tensor:
+    return (x.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+
+
 def check_ragged(q, weights, k_fp8, k_scale, starts, ends):
     got = indexer_logits(q, weights, k_fp8, k_scale, starts, ends, backend="triton")
     ref = reference.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
-    bound = reference.indexer_logits(q, weights.abs(), k_fp8, k_scale, starts, ends)
+    bound = reference.indexer_logits(fp8_abs(q), weights.abs(), fp8_abs(k_fp8), k_scale, starts, ends)
     assert_logits_close(got, ref, bound)
     return got
 
@@ -86,7 +91,10 @@ def paged_inputs(batch, next_n, num_heads, lens, device, g):
 def check_paged(q, weights, pool, lens, table, width):
     got = indexer_logits_paged(q, weights, pool, lens, table, width, backend="triton")
     ref = reference.indexer_logits_paged(q, weights, pool, lens, table, width)
-    bound = reference.indexer_logits_paged(q, weights.abs(), pool, lens, table, width)
+    abs_pool = pool.clone()
+    keys, _ = indexer_block_views(abs_pool)
+    keys.copy_(fp8_abs(keys))
+    bound = reference.indexer_logits_paged(fp8_abs(q), weights.abs(), abs_pool, lens, table, width)
     assert_logits_close(got, ref, bound)
     return got
 

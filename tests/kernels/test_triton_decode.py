@@ -19,6 +19,7 @@ import torch
 
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, D_QK, KV_LORA_RANK, ROPE_DIM, quantize_mla
 from flashdsa.runtime.kernels import reference, sparse_mla_decode
+from flashdsa.runtime.kernels.triton import sparse_decode
 from flashdsa.testing import (
     assert_flashmla_close,
     assert_lse_close,
@@ -54,14 +55,14 @@ def decode_inputs(b, s_q, h_q, topk, context, device, scale=0.1, **options):
     return q, pool, slots
 
 
-def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3):
-    """Kernel vs the reference (fp32 q) with FlashMLA's tolerances; returns (out, lse)."""
+def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3, config=None):
+    """Kernel vs the reference (fp32 q) with FlashMLA's tolerances; returns (out, lse).
+    ``num_splits`` / ``config`` call the backend directly with a forced split count / launch."""
     flood_with_nan(q.device)
-    if num_splits is None:
+    if num_splits is None and config is None:
         out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="triton")
     else:
-        from flashdsa.runtime.kernels.triton.sparse_decode import sparse_mla_decode as kernel
-        out, lse = kernel(q, pool, slots, SM_SCALE, 512, num_splits=num_splits)
+        out, lse = sparse_decode.sparse_mla_decode(q, pool, slots, SM_SCALE, 512, num_splits=num_splits, config=config)
     ref_out, ref_lse = reference.sparse_mla_decode(q.float(), pool, slots, SM_SCALE)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_flashmla_close("out", out, ref_out, abs_tol=out_abs_tol)
@@ -86,6 +87,17 @@ def test_decode_matches_reference(b, s_q, h_q, topk, context):
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 32])
 def test_forced_splits_combine_to_the_same_result(num_splits):
     check_decode(*decode_inputs(2, 2, 64, 1024, 3000, cuda, invalid=0.2), num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, warps, stages, q_in_loop, split_dv", [
+    (64, 8, 2, False, True), (32, 8, 2, True, True), (64, 4, 2, False, True), (64, 8, 1, True, False)])
+def test_launch_variants_match_reference(block_n, warps, stages, q_in_loop, split_dv):
+    config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_in_loop=q_in_loop,
+                                        split_dv=split_dv)
+    q, pool, slots = decode_inputs(3, 2, 128, 512, 2000, cuda, invalid=0.1)
+    for splits in (None, 3):
+        check_decode(q, pool, slots, splits, config=config)
 
 
 @pytest.mark.gpu
@@ -138,6 +150,8 @@ def run_interpreter_cases() -> None:
     cpu = torch.device("cpu")
     for b, s_q, h_q, topk, context, splits, options in INTERPRETER_CASES:
         check_decode(*decode_inputs(b, s_q, h_q, topk, context, cpu, **options), num_splits=splits)
+    variant = sparse_decode.DecodeConfig(block_n=32, q_in_loop=True, split_dv=True)
+    check_decode(*decode_inputs(1, 2, 20, 64, 80, cpu), num_splits=2, config=variant)
     q, pool, slots = decode_inputs(1, 1, 16, 64, 10, cpu)
     out, lse = check_decode(q, pool, torch.full_like(slots, -1))
     assert not out.any() and torch.isposinf(lse).all()

@@ -19,8 +19,7 @@ def rotate_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
     """Butterflies of ``x: [ROWS, N]`` (Sylvester order), unscaled: stage h pairs element i with
     i + h inside each group of 2h, like ``reshape(.., N // (2h), 2, h)`` in the reference."""
     for stage in tl.static_range(LOG_N):
-        h: tl.constexpr = 1 << stage
-        pairs = tl.permute(tl.reshape(x, (ROWS, N // (2 * h), 2, h)), (0, 1, 3, 2))
+        pairs = tl.permute(tl.reshape(x, (ROWS, N >> (stage + 1), 2, 1 << stage)), (0, 1, 3, 2))
         a, b = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, N))
     return x

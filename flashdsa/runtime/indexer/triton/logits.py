@@ -4,7 +4,9 @@
 takes one query (all its heads as the M dim of an e4m3 ``tl.dot``) and a run of key tiles, so the
 query is loaded once and every key tile is read straight from the FP8 store. The paged kernel
 reads whole 64-token blocks of the indexer pool through the block table, with the n query tokens
-of a request stacked along M so a block is read once for all of them. Accumulation is fp32.
+of a request stacked along M so a block is read once for all of them. Accumulation is fp32; on
+SM90 the FP8 tensor cores add inside one 32-deep step with reduced precision, so the dots are
+promoted to fp32 every 32 (``max_num_imprecise_acc``), as DeepGEMM does per 128.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def _pad_heads(num_heads: int) -> int:
 @triton.jit
 def _head_sum(q, w, k_fp8):
     """``sum_h w[h] * relu(q[h] . k[s])`` for ``q: [H, D]``, ``w: [H]``, ``k_fp8: [S, D]`` -> [S]."""
-    dots = tl.dot(q, tl.trans(k_fp8))
+    dots = tl.dot(q, tl.trans(k_fp8), max_num_imprecise_acc=32)
     return tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
 
 
@@ -108,7 +110,7 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
             base = cache_ptr + block * block_bytes
             k = tl.load(base + off[:, None] * D + d[None, :]).to(tl.float8e4nv, bitcast=True)
             scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + off)
-            dots = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # [NEXT_N * H, BLOCK_SIZE]
+            dots = tl.maximum(tl.dot(q, tl.trans(k), max_num_imprecise_acc=32), 0.0) * w[:, None]  # [NEXT_N * H, BS]
             score = tl.sum(tl.reshape(dots, (NEXT_N, H, BLOCK_SIZE)), 1) * scale[None, :]
             score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
         else:

@@ -40,8 +40,21 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 1
+    q_in_loop: bool = False  # reload q from L2 every step instead of keeping it live (fewer registers)
+    split_dv: bool = False  # two launches, each accumulating half of d_v (QK recomputed, half the registers)
     target_programs: int = 2 * 132
-    min_tokens_per_split: int = 256
+    min_tokens_per_split: int = 128
+
+
+@triton.jit
+def _load_q(q_rows, head_ok, d, dr, TILE: tl.constexpr):
+    """The 4 latent tiles [BLOCK_H, 128] and the RoPE part [BLOCK_H, 64] of q's rows."""
+    mask = head_ok[:, None]
+    return (tl.load(q_rows + d[None, :], mask=mask, other=0.0),
+            tl.load(q_rows + TILE + d[None, :], mask=mask, other=0.0),
+            tl.load(q_rows + 2 * TILE + d[None, :], mask=mask, other=0.0),
+            tl.load(q_rows + 3 * TILE + d[None, :], mask=mask, other=0.0),
+            tl.load(q_rows + 4 * TILE + dr[None, :], mask=mask, other=0.0))
 
 
 @triton.jit
@@ -50,7 +63,8 @@ def _decode_partial_kernel(
     out_ptr, lse_ptr,
     num_slots, h_q, topk, tokens_per_split, s_q, qk_scale_log2,
     stride_q_row, stride_q_h, stride_idx_row,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, Q_IN_LOOP: tl.constexpr,
+    V_HALF: tl.constexpr,  # -1: all of d_v; 0 / 1: only latent tiles 0-1 / 2-3 (acc0, acc1)
     TILE: tl.constexpr, ROPE: tl.constexpr, TOKEN_BYTES: tl.constexpr,
     SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
@@ -64,11 +78,7 @@ def _decode_partial_kernel(
     dr = tl.arange(0, ROPE)
 
     q_rows = q_ptr + row.to(tl.int64) * stride_q_row + heads[:, None] * stride_q_h
-    q0 = tl.load(q_rows + d[None, :], mask=head_ok[:, None], other=0.0)
-    q1 = tl.load(q_rows + TILE + d[None, :], mask=head_ok[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * TILE + d[None, :], mask=head_ok[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * TILE + d[None, :], mask=head_ok[:, None], other=0.0)
-    q_pe = tl.load(q_rows + 4 * TILE + dr[None, :], mask=head_ok[:, None], other=0.0)
+    q0, q1, q2, q3, q_pe = _load_q(q_rows, head_ok, d, dr, TILE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -100,6 +110,8 @@ def _decode_partial_kernel(
         k_pe = tl.load(kv_bf16_ptr + slot[:, None] * (TOKEN_BYTES // 2) + ROPE_OFF // 2 + dr[None, :],
                        mask=valid[:, None], other=0.0)
 
+        if Q_IN_LOOP:
+            q0, q1, q2, q3, q_pe = _load_q(q_rows, head_ok, d, dr, TILE)
         s = tl.dot(q_pe, tl.trans(k_pe))
         s += tl.dot(q0, tl.trans(k0)) * sc0
         s += tl.dot(q1, tl.trans(k1)) * sc1
@@ -113,10 +125,15 @@ def _decode_partial_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        acc0 = tl.dot((p * sc0).to(tl.bfloat16), k0, acc0 * alpha[:, None])
-        acc1 = tl.dot((p * sc1).to(tl.bfloat16), k1, acc1 * alpha[:, None])
-        acc2 = tl.dot((p * sc2).to(tl.bfloat16), k2, acc2 * alpha[:, None])
-        acc3 = tl.dot((p * sc3).to(tl.bfloat16), k3, acc3 * alpha[:, None])
+        if V_HALF == 1:
+            va, vb, sa, sb = k2, k3, sc2, sc3
+        else:
+            va, vb, sa, sb = k0, k1, sc0, sc1
+        acc0 = tl.dot((p * sa).to(tl.bfloat16), va, acc0 * alpha[:, None])
+        acc1 = tl.dot((p * sb).to(tl.bfloat16), vb, acc1 * alpha[:, None])
+        if V_HALF < 0:
+            acc2 = tl.dot((p * sc2).to(tl.bfloat16), k2, acc2 * alpha[:, None])
+            acc3 = tl.dot((p * sc3).to(tl.bfloat16), k3, acc3 * alpha[:, None])
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / l_i)
@@ -131,11 +148,14 @@ def _decode_partial_kernel(
         o_rows = out_ptr + (part * h_q + heads[:, None]) * (4 * TILE) + d[None, :]
         lse_at = lse_ptr + part * h_q + heads
         o_ty = tl.float32
-    tl.store(lse_at, lse, mask=head_ok)
-    tl.store(o_rows, (acc0 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
-    tl.store(o_rows + TILE, (acc1 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
-    tl.store(o_rows + 2 * TILE, (acc2 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
-    tl.store(o_rows + 3 * TILE, (acc3 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
+    if V_HALF <= 0:
+        tl.store(lse_at, lse, mask=head_ok)
+    col0 = (V_HALF == 1) * (2 * TILE)
+    tl.store(o_rows + col0, (acc0 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
+    tl.store(o_rows + col0 + TILE, (acc1 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
+    if V_HALF < 0:
+        tl.store(o_rows + 2 * TILE, (acc2 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
+        tl.store(o_rows + 3 * TILE, (acc3 * inv_l[:, None]).to(o_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -218,16 +238,17 @@ def sparse_mla_decode(
     else:
         part_out = torch.empty(rows, splits, h_q, d_v, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(rows, splits, h_q, dtype=torch.float32, device=q.device)
-    _decode_partial_kernel[(rows, head_blocks, splits)](
-        q_rows, cache, cache.view(torch.float32), cache.view(torch.bfloat16), idx,
-        part_out, part_lse,
-        num_slots, h_q, topk, per_split, s_q, sm_scale * LOG2E,
-        q_rows.stride(0), q_rows.stride(1), idx.stride(0),
-        BLOCK_H=block_h, BLOCK_N=config.block_n, DIRECT=direct,
-        TILE=MLA_TILE, ROPE=ROPE_DIM, TOKEN_BYTES=MLA_TOKEN_BYTES,
-        SCALE_OFF=MLA_SCALE_OFFSET, ROPE_OFF=MLA_ROPE_OFFSET,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    for v_half in ((0, 1) if config.split_dv else (-1,)):
+        _decode_partial_kernel[(rows, head_blocks, splits)](
+            q_rows, cache, cache.view(torch.float32), cache.view(torch.bfloat16), idx,
+            part_out, part_lse,
+            num_slots, h_q, topk, per_split, s_q, sm_scale * LOG2E,
+            q_rows.stride(0), q_rows.stride(1), idx.stride(0),
+            BLOCK_H=block_h, BLOCK_N=config.block_n, DIRECT=direct, Q_IN_LOOP=config.q_in_loop, V_HALF=v_half,
+            TILE=MLA_TILE, ROPE=ROPE_DIM, TOKEN_BYTES=MLA_TOKEN_BYTES,
+            SCALE_OFF=MLA_SCALE_OFFSET, ROPE_OFF=MLA_ROPE_OFFSET,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     if not direct:
         _combine_kernel[(rows, h_q)](
             part_out, part_lse, out, lse, h_q, splits, s_q,
