@@ -4,7 +4,8 @@ Two kernels per chunk of query tokens (the chunk bounds the scratch memory):
 
 1. ``_bwd_dq_kernel``, one program per (token, block of up to 64 heads) like the forward: per
    step of ``BLOCK_N`` gathered kv rows it recomputes P = exp2(S log2e - lse log2e), forms
-   dS = P (dP - delta) sm_scale with dP = dO V^T and delta = rowsum(dO * O), accumulates
+   dS = P (dP - delta) sm_scale with dP = dO V^T and delta = rowsum(dO * O) (computed here from
+   out and dout), accumulates
    dq += dS K in registers and writes P and dS (bf16, ``[tokens, h_q, topk]``) to scratch.
 2. ``_bwd_dkv_kernel``, one program per (token, 64 of the d_qk columns): all heads at once,
    dkv rows = dS^T q (+ P^T dO on the 512 value columns), added into an fp32 ``[s_kv, d_qk]``
@@ -31,9 +32,9 @@ DKV_COLS = 64  # d_qk columns per dkv program (576 = 9 x 64, 512 = 8 x 64)
 
 @triton.jit(do_not_specialize=["h_q", "s_kv", "token0"])
 def _bwd_dq_kernel(
-    q_ptr, kv_ptr, do_ptr, lse_ptr, delta_ptr, idx_ptr, dq_ptr, p_ptr, ds_ptr,
+    q_ptr, kv_ptr, o_ptr, do_ptr, lse_ptr, idx_ptr, dq_ptr, p_ptr, ds_ptr,
     h_q, s_kv, sm_scale, scale_log2, token0,
-    stride_qt, stride_qh, stride_kv, stride_dot, stride_doh, stride_it,
+    stride_qt, stride_qh, stride_kv, stride_dot, stride_doh, stride_it,  # out shares dout's strides
     TOPK: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
@@ -46,9 +47,9 @@ def _bwd_dq_kernel(
     q_nope = load_heads(q_row, heads, head_mask, stride_qh, 0, NOPE)
     q_pe = load_heads(q_row, heads, head_mask, stride_qh, NOPE, D_PE) if D_PE > 0 else q_nope
     do = load_heads(do_ptr + token * stride_dot, heads, head_mask, stride_doh, 0, NOPE)
-    stat = token * h_q + heads
-    lse2 = tl.load(lse_ptr + stat, mask=head_mask, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + stat, mask=head_mask, other=0.0)
+    o = load_heads(o_ptr + token * stride_dot, heads, head_mask, stride_doh, 0, NOPE)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # rowsum(dO * O), 0 on padded heads
+    lse2 = tl.load(lse_ptr + token * h_q + heads, mask=head_mask, other=float("inf")) * 1.4426950408889634
     idx_row = idx_ptr + token * stride_it
     scratch_rows = ((local * h_q + heads) * TOPK)[:, None]
 
@@ -160,12 +161,12 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     s_q, h_q, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
     assert d_v == 512 and d_qk in (512, 576), "the triton sparse backward serves d_v 512, d_qk 512/576"
+    assert out.stride() == dout.stride(), "out and dout must share strides (both contiguous)"
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=q.device)
     if s_q == 0 or s_kv == 0:
         return dq.zero_(), dkv32.to(kv.dtype).unsqueeze(1)
     block_h, head_blocks = head_blocking(h_q)
-    delta = (out.float() * dout.float()).sum(-1)  # [s_q, h_q] fp32
     kv2, idx2 = kv.view(s_kv, d_qk), indices.view(s_q, topk)
     per_token = h_q * topk * 4 + (topk * d_qk * 4 if deterministic else 0)
     chunk = max(1, min(s_q, SCRATCH_BYTES // per_token))
@@ -176,7 +177,7 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     for token0 in range(0, s_q, chunk):
         n = min(chunk, s_q - token0)
         _bwd_dq_kernel[(n * head_blocks,)](
-            q, kv2, dout, lse, delta, idx2, dq, p_buf, ds_buf,
+            q, kv2, out, dout, lse, idx2, dq, p_buf, ds_buf,
             h_q, s_kv, sm_scale, sm_scale * LOG2E, token0,
             q.stride(0), q.stride(1), kv2.stride(0), dout.stride(0), dout.stride(1), idx2.stride(0),
             TOPK=topk, D_PE=d_qk - NOPE.value, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_BLOCKS=head_blocks,
