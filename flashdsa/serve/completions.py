@@ -15,15 +15,17 @@ from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, 
 from flashdsa.serve.protocol import CompletionRequest
 
 
-def prompt_token_lists(state: ServerState, prompt) -> list[list[int]]:
-    """The request's prompts as token-id lists."""
+def prompt_lists(state: ServerState, prompt) -> tuple[list[list[int]], list[str]]:
+    """The request's prompts as token-id lists, and as text (what echo returns)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
-    return [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        prompt = [prompt]
+    ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompt]
+    return ids, texts
 
 
 def legacy_logprobs(tokenizer, entries: list[Optional[TokenLogprobs]], ids: list[int], offset: int) -> dict:
@@ -44,8 +46,8 @@ def legacy_logprobs(tokenizer, entries: list[Optional[TokenLogprobs]], ids: list
 class CompletionChoice:
     """Accumulates one choice; produces its deltas (stream) or its final form."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, prompt: list[int]) -> None:
-        self.state, self.body, self.prompt = state, body, prompt
+    def __init__(self, state: ServerState, body: CompletionRequest, prompt: list[int], prompt_text: str) -> None:
+        self.state, self.body, self.prompt, self.prompt_text = state, body, prompt, prompt_text
         self.text_len = 0
         self.started = False
         self.pieces: list[str] = []
@@ -59,7 +61,7 @@ class CompletionChoice:
         tok = self.state.tokenizer
         text, ids, entries = out.new_text, list(out.new_token_ids), list(out.new_logprobs)
         if self.body.echo and not self.started:
-            text = tok.decode(self.prompt) + text
+            text = self.prompt_text + text
             if self.body.logprobs is not None:
                 ids = self.prompt + ids
                 entries = list(out.prompt_logprobs or [None] * len(self.prompt)) + entries
@@ -86,12 +88,13 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    prompts = prompt_token_lists(state, body.prompt)
+    prompts, prompt_texts = prompt_lists(state, body.prompt)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
     request_id = new_id("cmpl")
     streams = start_choices(state, request_id, prompts, params)
-    choices = [CompletionChoice(state, body, prompts[i // params.n]) for i in range(len(streams))]
+    choices = [CompletionChoice(state, body, prompts[i // params.n], prompt_texts[i // params.n])
+               for i in range(len(streams))]
     created, model = int(time.time()), state.model_name
 
     def chunk(choices_json: list, usage_json: Optional[dict] = None) -> dict:
