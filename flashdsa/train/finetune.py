@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
+    parser.add_argument("--backend", choices=["triton", "reference"], default=None,
+                        help="sparse attention backend (default: the fastest available)")
+    parser.add_argument("--keep-best", action="store_true", help="save the weights of the best held-out loss")
+    parser.add_argument("--time-limit", type=float, default=None, help="stop (resumably) after this many seconds")
     parser.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the final weights")
     parser.add_argument("--max-shard-mb", type=int, default=4096, help="largest safetensors shard in MiB")
 
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                       batch_tokens=args.batch_tokens, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.kl_weight,
                       eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
-                      checkpointing=args.gradient_checkpointing, seed=args.seed)
+                      checkpointing=args.gradient_checkpointing, seed=args.seed, backend=args.backend,
+                      keep_best=args.keep_best, time_limit_s=args.time_limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     resume_from = ckpt.latest_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:

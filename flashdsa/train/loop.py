@@ -30,7 +30,7 @@ from flashdsa.train.plot import save_loss_png
 logger = logging.getLogger(__name__)
 
 STAGES = ("dense", "warmup", "sparse")
-LOG_FILE, PLOT_FILE = "log.jsonl", "loss.png"
+LOG_FILE, PLOT_FILE, BEST_DIR = "log.jsonl", "loss.png", "best"
 
 
 @dataclass
@@ -50,6 +50,9 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end
     checkpointing: bool = False
     seed: int = 0
+    backend: Optional[str] = None  # sparse attention backend (None: the fastest available)
+    keep_best: bool = False  # end with the weights of the best held-out loss (kept in <output>/best)
+    time_limit_s: Optional[float] = None  # stop early (with a checkpoint) after this long
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -95,7 +98,7 @@ def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, to
     """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "indexer_kl"} (the last two when the stage has them)."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
         out = training_forward(model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
-                               checkpointing=cfg.checkpointing)
+                               checkpointing=cfg.checkpointing, backend=cfg.backend)
     losses = {}
     if cfg.stage != "warmup":
         losses["lm_loss"] = lm_loss(out.logits, batch[:, 1:])
@@ -125,18 +128,18 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
         self.batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
         self.eval_set = eval_batches(eval_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens)
-        self.step = 0
+        self.step, self.best_eval = 0, math.inf
 
     def state_dict(self) -> dict:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return {"step": self.step, "config": asdict(self.cfg), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "data": self.batches.state_dict(),
-                "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
+        return {"step": self.step, "best_eval": self.best_eval, "config": asdict(self.cfg),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "data": self.batches.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
 
     def load_state_dict(self, state: dict) -> None:
         if state["config"]["stage"] != self.cfg.stage:
             raise ValueError(f"cannot resume a {state['config']['stage']!r} run as stage {self.cfg.stage!r}")
-        self.step = state["step"]
+        self.step, self.best_eval = state["step"], state["best_eval"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
@@ -147,7 +150,7 @@ class Trainer:
 
     def train(self) -> dict[str, float]:
         """Run from ``self.step`` to ``cfg.steps``; returns the last eval losses."""
-        cfg, metrics = self.cfg, {}
+        cfg, metrics, started_run = self.cfg, {}, time.perf_counter()
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)
         while self.step < cfg.steps:
             started = time.perf_counter()
@@ -161,18 +164,39 @@ class Trainer:
             record = {"step": self.step, "stage": cfg.stage, "lr": self.scheduler.get_last_lr()[0],
                       **{k: float(v.detach()) for k, v in losses.items()}, "grad_norm": float(grad_norm)}
             record["tokens_per_s"] = cfg.batch_size * cfg.seq_len / (time.perf_counter() - started)
-            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+            out_of_time = cfg.time_limit_s is not None and time.perf_counter() - started_run > cfg.time_limit_s
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_time:
                 metrics = evaluate(self.model, self.eval_set, cfg, self.device)
                 record.update(metrics)
+                self._keep_if_best(metrics["eval_loss"])
             self._log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4f}" for k, v in metrics.items()})
             bar.update(1)
+            if out_of_time:
+                logger.warning("%s stage stopped at step %d: time limit of %.0f s reached", cfg.stage, self.step,
+                               cfg.time_limit_s)
+                break
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                 self.save_checkpoint()
         bar.close()
         self.save_checkpoint()
         self.plot()
+        if cfg.keep_best and (self.output_dir / BEST_DIR).is_dir():
+            self._restore_best()
+            metrics = {**metrics, "best_eval_loss": self.best_eval}
         return metrics
+
+    def _keep_if_best(self, eval_loss: float) -> None:
+        if self.cfg.keep_best and eval_loss < self.best_eval:
+            self.best_eval = eval_loss
+            ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir)
+
+    def _restore_best(self) -> None:
+        """Load the best weights (fp32, as saved) back into the model."""
+        from flashdsa.models.loader import read_tensors
+
+        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config))
+        self.model.load_state_dict({k: v.to(self.device) for k, v in best.items()})
 
     def save_checkpoint(self) -> Path:
         return ckpt.save_training_checkpoint(self.model, self.state_dict(), self.output_dir, self.step, self.tokenizer_dir)

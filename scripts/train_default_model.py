@@ -1,0 +1,164 @@
+"""Train flashdsa's embedded default model: a ~7M-parameter DeepSeek-V3.2 (DSA) model on Tiny Shakespeare.
+
+    python scripts/train_default_model.py --output flashdsa/assets/default_model
+
+Recipe (one GPU, about five minutes of training):
+  0. a byte-level BPE tokenizer (2048 tokens) trained on the corpus (or --tokenizer DIR reused);
+  1. ``dense``: from random weights, language modelling with dense attention (indexer frozen);
+  2. ``warmup``: the indexer alone learns the dense attention (KL over all causal keys);
+  3. ``sparse``: top-k attention (topk 64 of up to 512 keys) through the sparse kernels' autograd,
+     LM loss plus the indexer KL over the selected keys.
+The last 10% of the corpus is held out. Each stage keeps the weights of its best held-out loss.
+The result (bf16 weights, HF layout) goes to --output with ``training.json`` (losses, timings,
+a sample generated through the production inference path) and the stages' log and loss plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.train.autograd import sparse_mla_attention
+from flashdsa.train.checkpoint import save_model
+from flashdsa.train.data import read_documents, split_stream, token_stream
+from flashdsa.train.init import initialize
+from flashdsa.train.loop import LOG_FILE, TrainConfig, Trainer
+from flashdsa.train.plot import save_loss_png
+from flashdsa.train.tokenizer import train_bpe_tokenizer
+
+logger = logging.getLogger("train_default_model")
+
+CONFIG = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=768, moe_intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+    v_head_dim=64, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+    routed_scaling_factor=1.0, first_k_dense_replace=2, index_n_heads=8, index_head_dim=128, index_topk=64,
+    max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
+)
+COMMON = dict(seq_len=512, batch_tokens=8192, eval_every=25, eval_tokens=65536, keep_best=True)
+STAGES = [  # (stage, steps, peak lr, seconds allowed)
+    ("dense", 1000, 1.5e-3, 150),
+    ("warmup", 200, 1e-3, 40),
+    ("sparse", 400, 3e-4, 120),
+]
+SAMPLE_PROMPT = "ROMEO:\n"
+ALL_STAGES_LOG = "all_stages.jsonl"
+
+
+def sparse_backend(device: torch.device, wanted: str) -> str:
+    """The sparse-attention backend to train with: ``wanted``, or for "auto" the Triton kernels when
+    their gradients match the reference on a small problem, else the reference."""
+    if wanted != "auto":
+        return wanted
+    if device.type != "cuda":
+        return "reference"
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(256, 4, 576, device=device, generator=g).bfloat16().requires_grad_()
+    kv = torch.randn(256, 1, 576, device=device, generator=g).bfloat16().requires_grad_()
+    causal = torch.arange(256, device=device)[:, None] - torch.arange(64, device=device)[None, :]
+    indices = causal.clamp_min(-1).to(torch.int32)[:, None, :]
+    dout = torch.randn(256, 4, 512, device=device, generator=g).bfloat16()
+    grads = {}
+    try:
+        for backend in ("triton", "reference"):
+            out, _ = sparse_mla_attention(q, kv, indices, 576**-0.5, 512, backend)
+            grads[backend] = torch.autograd.grad((out.float() * dout.float()).sum(), (q, kv))
+    except Exception as e:  # a kernel that fails to build or run: train on the reference instead
+        logger.error("triton sparse attention failed (%s: %s); training with the reference backend", type(e).__name__, e)
+        return "reference"
+    for a, b in zip(grads["triton"], grads["reference"]):
+        cosine = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0)
+        if not cosine > 0.999:
+            logger.error("triton gradients differ from the reference (cosine %.6f); using the reference", cosine)
+            return "reference"
+    return "triton"
+
+
+def sample(model_dir: Path, device: torch.device, max_tokens: int = 200) -> str:
+    """Text generated from SAMPLE_PROMPT by the inference path (production mode on CUDA: FP8 caches)."""
+    from flashdsa.generate import generate_ids, sample as pick
+    from flashdsa.models.loader import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    mode = "production" if device.type == "cuda" else "reference"
+    model = load_model(model_dir, device=device, mode=mode)
+    generator = torch.Generator().manual_seed(0)
+    ids, _, _ = generate_ids(model, tokenizer(SAMPLE_PROMPT)["input_ids"], max_tokens,
+                             lambda logits: pick(logits, 0.8, 1.0, 40, generator), stop={tokenizer.eos_token_id})
+    return SAMPLE_PROMPT + tokenizer.decode(ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"))
+    parser.add_argument("--output", required=True, help="where the trained model goes")
+    parser.add_argument("--work", default="runs/default_model", help="stage checkpoints and logs")
+    parser.add_argument("--tokenizer", default=None, help="reuse the tokenizer files in this directory")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every stage's steps and time")
+    parser.add_argument("--smoke", action="store_true", help="short sequences and tiny batches: check the script on CPU")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device, work, output = torch.device(args.device), Path(args.work), Path(args.output)
+    common = dict(COMMON, seq_len=128, batch_tokens=256, eval_tokens=512) if args.smoke else COMMON
+    work.mkdir(parents=True, exist_ok=True)
+    (work / ALL_STAGES_LOG).unlink(missing_ok=True)
+    torch.manual_seed(0)
+
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else work / "tokenizer"
+    if not args.tokenizer:
+        train_bpe_tokenizer([Path(args.data).read_text(encoding="utf-8")], CONFIG["vocab_size"], tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokens = token_stream(read_documents(args.data, tokenizer), tokenizer)
+    train_tokens, eval_tokens = split_stream(tokens, 0.1, common["seq_len"])
+    logger.info("corpus: %d tokens (%d train, %d held out)", len(tokens), len(train_tokens), len(eval_tokens))
+
+    model = initialize(DeepseekV32ForCausalLM(DeepseekV32Config(**CONFIG), mode="reference"), seed=0).to(device)
+    backend = sparse_backend(device, args.backend)
+    logger.info("model: %.2fM parameters; sparse attention backend: %s",
+                sum(p.numel() for p in model.parameters()) / 1e6, backend)
+    summary = {"config": CONFIG, "backend": backend, "device": torch.cuda.get_device_name() if device.type == "cuda"
+               else "cpu", "train_tokens": len(train_tokens), "eval_tokens": len(eval_tokens), "stages": []}
+    series, offset = [], 0
+    colors = {"dense": (200, 40, 40), "warmup": (30, 150, 30), "sparse": (40, 40, 200)}
+    for stage, steps, lr, seconds in STAGES:
+        cfg = TrainConfig(stage=stage, steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
+                          time_limit_s=seconds * args.time_scale, **common)
+        shutil.rmtree(work / stage, ignore_errors=True)
+        trainer = Trainer(model, train_tokens, eval_tokens, cfg, work / stage, tokenizer_dir, device)
+        started = time.perf_counter()
+        metrics = trainer.train()
+        records = [json.loads(line) for line in (work / stage / LOG_FILE).read_text().splitlines()]
+        speed = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
+        summary["stages"].append({"stage": stage, "steps": trainer.step, "lr": lr, "seconds": time.perf_counter() - started,
+                                  "median_tokens_per_s": speed, **metrics})
+        logger.info("%s: %s", stage, summary["stages"][-1])
+        key = "eval_indexer_kl" if stage == "warmup" else "eval_lm_loss"
+        series.append((f"{stage} {key[5:]}", [(offset + r["step"], r[key]) for r in records if key in r], colors[stage]))
+        offset += trainer.step
+        with (work / ALL_STAGES_LOG).open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+
+    save_model(model, output, tokenizer_dir, dtype=torch.bfloat16, max_shard_bytes=15 << 20)
+    save_loss_png(work / "loss.png", series)
+    try:
+        summary["sample"] = sample(output, device)
+    except Exception as e:  # the sample documents the model; a failure must not lose the training
+        logger.exception("sampling failed")
+        summary["sample_error"] = f"{type(e).__name__}: {e}"
+    (work / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
