@@ -114,6 +114,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def on_http_error(request: Request, exc: HTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
     @app.get("/health")
     async def health():
         alive = state.llm.is_alive()

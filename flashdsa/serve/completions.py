@@ -15,8 +15,8 @@ from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, 
 from flashdsa.serve.protocol import CompletionRequest
 
 
-def prompt_lists(state: ServerState, prompt) -> tuple[list[list[int]], list[str]]:
-    """The request's prompts as token-id lists, and as text (what echo returns)."""
+def prompt_lists(state: ServerState, prompt) -> tuple[list[list[int]], list]:
+    """The request's prompts as token-id lists, and as sent (one string or id list each)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -24,8 +24,7 @@ def prompt_lists(state: ServerState, prompt) -> tuple[list[list[int]], list[str]
     if isinstance(prompt[0], int):
         prompt = [prompt]
     ids = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
-    texts = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompt]
-    return ids, texts
+    return ids, list(prompt)
 
 
 def legacy_logprobs(tokenizer, entries: list[Optional[TokenLogprobs]], ids: list[int], offset: int) -> dict:
@@ -46,8 +45,8 @@ def legacy_logprobs(tokenizer, entries: list[Optional[TokenLogprobs]], ids: list
 class CompletionChoice:
     """Accumulates one choice; produces its deltas (stream) or its final form."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, prompt: list[int], prompt_text: str) -> None:
-        self.state, self.body, self.prompt, self.prompt_text = state, body, prompt, prompt_text
+    def __init__(self, state: ServerState, body: CompletionRequest, prompt: list[int], sent) -> None:
+        self.state, self.body, self.prompt, self.sent = state, body, prompt, sent
         self.text_len = 0
         self.started = False
         self.pieces: list[str] = []
@@ -61,7 +60,7 @@ class CompletionChoice:
         tok = self.state.tokenizer
         text, ids, entries = out.new_text, list(out.new_token_ids), list(out.new_logprobs)
         if self.body.echo and not self.started:
-            text = self.prompt_text + text
+            text = (self.sent if isinstance(self.sent, str) else tok.decode(self.prompt)) + text
             if self.body.logprobs is not None:
                 ids = self.prompt + ids
                 entries = list(out.prompt_logprobs or [None] * len(self.prompt)) + entries
@@ -88,12 +87,12 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     state.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    prompts, prompt_texts = prompt_lists(state, body.prompt)
+    prompts, sent = prompt_lists(state, body.prompt)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
     request_id = new_id("cmpl")
     streams = start_choices(state, request_id, prompts, params)
-    choices = [CompletionChoice(state, body, prompts[i // params.n], prompt_texts[i // params.n])
+    choices = [CompletionChoice(state, body, prompts[i // params.n], sent[i // params.n])
                for i in range(len(streams))]
     created, model = int(time.time()), state.model_name
 
