@@ -88,8 +88,14 @@ def paged_inputs(batch, next_n, num_heads, lens, device, g):
     return tuple(t.to(device) for t in (q, weights, pool, lens, table)) + (max_len + 5,)
 
 
-def check_paged(q, weights, pool, lens, table, width):
-    got = indexer_logits_paged(q, weights, pool, lens, table, width, backend="triton")
+def check_paged(q, weights, pool, lens, table, width, **knobs):
+    """Public op (or, with launch ``knobs``, the backend itself) vs the reference."""
+    if knobs:
+        from flashdsa.runtime.indexer.triton import logits as kernels
+
+        got = kernels.indexer_logits_paged(q, weights, pool, lens, table, width, **knobs)
+    else:
+        got = indexer_logits_paged(q, weights, pool, lens, table, width, backend="triton")
     ref = reference.indexer_logits_paged(q, weights, pool, lens, table, width)
     abs_pool = pool.clone()
     keys, _ = indexer_block_views(abs_pool)
@@ -149,6 +155,13 @@ def test_paged_logits_match_reference(next_n, num_heads, lens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens, steps, warps", [(128, 8, 4), (256, 4, 8)])
+def test_paged_logits_launch_variants_match_reference(tokens, steps, warps):
+    inputs = paged_inputs(3, 2, 64, [2, 300, 1000], cuda, generator(tokens))
+    check_paged(*inputs, tokens_per_step=tokens, steps=steps, num_warps=warps)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, length, topk", [(8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (4, 5000, 8192)])
 def test_topk_matches_reference_on_same_logits(rows, length, topk):
     g = generator(rows, length, topk)
@@ -199,6 +212,7 @@ def run_interpreter_cases() -> None:
         check_ragged(*inputs)
         check_fused(*inputs, 16, 100)
     check_paged(*paged_inputs(2, 2, 16, [3, 150], cpu, generator(3)))
+    check_paged(*paged_inputs(2, 1, 16, [70, 200], cpu, generator(4)), tokens_per_step=128, steps=2)
     logits = tricky_logits(4, 1500, cpu, generator(4))
     check_topk(logits, 64)
     check_topk(logits, 32, torch.tensor([0, 100, 7, 1500], dtype=torch.int32),

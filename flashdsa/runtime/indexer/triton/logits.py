@@ -3,7 +3,8 @@
 ``score[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q_fp8[t, h] . k_fp8[s])``: one program
 takes one query (all its heads as the M dim of an e4m3 ``tl.dot``) and a run of key tiles, so the
 query is loaded once and every key tile is read straight from the FP8 store. The paged kernel
-reads whole 64-token blocks of the indexer pool through the block table, with the n query tokens
+reads whole 64-token blocks of the indexer pool through the block table (one or more per step,
+masked past the context, so table entries beyond it are never used), with the n query tokens
 of a request stacked along M so a block is read once for all of them. Accumulation is fp32; on
 SM90 the FP8 tensor cores add inside one 32-deep step with reduced precision, so the dots are
 promoted to fp32 every 32 (``max_num_imprecise_acc``), as DeepGEMM does per 128.
@@ -19,7 +20,7 @@ from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM
 
 BLOCK_S = 128  # keys per dot in the ragged kernel
 TILES_PER_PROGRAM = 8  # key tiles one ragged program walks
-BLOCKS_PER_PROGRAM = 16  # cache blocks one paged program walks
+STEPS_PER_PROGRAM = 16  # steps of whole cache blocks one paged program walks
 
 
 def _pad_heads(num_heads: int) -> int:
@@ -87,10 +88,11 @@ def indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends) -> torch.Tensor
 def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
                   num_heads, next_n, max_context_len, stride_table,
                   NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, BLOCKS: tl.constexpr):
-    """Request b, cache blocks [j * BLOCKS, (j + 1) * BLOCKS) of its block table."""
+                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, STEPS: tl.constexpr):
+    """Request b, positions [j * TOKENS * STEPS, (j + 1) * TOKENS * STEPS), TOKENS (whole cache
+    blocks, found through the block table) per step."""
     b = tl.program_id(0).to(tl.int64)
-    blk0 = tl.program_id(1) * BLOCKS
+    step0 = tl.program_id(1) * STEPS
     rows = tl.arange(0, NEXT_N * H)  # query j, head h at row j * H + h
     qj = rows // H
     hh = rows % H
@@ -101,27 +103,29 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
     w = tl.load(w_ptr + q_row * num_heads + hh, mask=row_ok, other=0.0)
     length = tl.load(lens_ptr + b)
     last = length - next_n + tl.arange(0, NEXT_N)  # each query's own position: it sees [0, last]
-    off = tl.arange(0, BLOCK_SIZE)
+    out_rows = (b * next_n + tl.arange(0, NEXT_N)).to(tl.int64)[:, None] * max_context_len
+    query_ok = (tl.arange(0, NEXT_N) < next_n)[:, None]
     block_bytes = BLOCK_SIZE * (D + 4)
-    for blk in range(blk0, blk0 + BLOCKS):
-        pos = blk * BLOCK_SIZE + off
-        if blk * BLOCK_SIZE < length:
-            block = tl.load(table_ptr + b * stride_table + blk).to(tl.int64)
+    for step in range(step0, step0 + STEPS):
+        pos = step * TOKENS + tl.arange(0, TOKENS)
+        if step * TOKENS < length:
+            inside = pos < length
+            block = tl.load(table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
             base = cache_ptr + block * block_bytes
-            k = tl.load(base + off[:, None] * D + d[None, :]).to(tl.float8e4nv, bitcast=True)
-            scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + off)
-            dots = tl.maximum(tl.dot(q, tl.trans(k), max_num_imprecise_acc=32), 0.0) * w[:, None]  # [NEXT_N * H, BS]
-            score = tl.sum(tl.reshape(dots, (NEXT_N, H, BLOCK_SIZE)), 1) * scale[None, :]
+            offset = pos % BLOCK_SIZE
+            k = tl.load(base[:, None] + offset[:, None] * D + d[None, :], mask=inside[:, None], other=0)
+            scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + offset, mask=inside, other=0.0)
+            dots = tl.dot(q, tl.trans(k.to(tl.float8e4nv, bitcast=True)), max_num_imprecise_acc=32)
+            dots = tl.maximum(dots, 0.0) * w[:, None]  # [NEXT_N * H, TOKENS]
+            score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
             score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
         else:
-            score = tl.full([NEXT_N, BLOCK_SIZE], float("-inf"), tl.float32)
-        out_rows = (b * next_n + tl.arange(0, NEXT_N)).to(tl.int64)[:, None] * max_context_len
-        tl.store(out_ptr + out_rows + pos[None, :], score,
-                 mask=(tl.arange(0, NEXT_N) < next_n)[:, None] & (pos < max_context_len)[None, :])
+            score = tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32)
+        tl.store(out_ptr + out_rows + pos[None, :], score, mask=query_ok & (pos < max_context_len)[None, :])
 
 
 def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
-                         blocks_per_program: int = BLOCKS_PER_PROGRAM, num_warps: int = 4,
+                         tokens_per_step: int = 64, steps: int = STEPS_PER_PROGRAM, num_warps: int = 4,
                          num_stages: int = 3) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
@@ -132,13 +136,13 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
     if out.numel() == 0:
         return out
     block_size = k_cache.shape[1]
-    blocks = triton.cdiv(max_context_len, block_size)
-    grid = (batch, triton.cdiv(blocks, blocks_per_program))
+    tokens = max(tokens_per_step, block_size)
+    grid = (batch, triton.cdiv(max_context_len, tokens * steps))
     table = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     _paged_kernel[grid](
         q_fp8.contiguous(), weights.contiguous(), k_cache, context_lens, table, out,
         num_heads, next_n, max_context_len, table.stride(0),
         NEXT_N=triton.next_power_of_2(next_n), H=_pad_heads(num_heads), D=INDEX_HEAD_DIM,
-        BLOCK_SIZE=block_size, BLOCKS=blocks_per_program, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, TOKENS=tokens, STEPS=steps, num_warps=num_warps, num_stages=num_stages,
     )
     return out
