@@ -24,8 +24,8 @@ S_Q, H_Q, D_QK, D_V, TOPK = 4096, 128, 576, 512, 2048
 FWD_FLOOR, BWD_FLOOR = 300.0, 120.0  # TFLOPS, issue 4 floors on one H100
 # (keys per step, warps, stages). With indirect (gathered) loads Triton's pipeliner splits the
 # stages between the index load and the kv load: 32 keys x 6 / 8 stages give 3 / 4 kv buffers.
-FWD_CONFIGS = [(64, 8, 2), (32, 8, 6), (32, 8, 8), (64, 8, 4)]
-DQ_CONFIGS = [(64, 8, 1), (32, 8, 4), (32, 8, 1)]
+FWD_CONFIGS = [(64, 8, 2), (32, 8, 6), (32, 8, 8), (64, 8, 4), (64, 16, 2), (32, 16, 8)]
+DQ_CONFIGS = [(64, 8, 1), (32, 8, 4), (32, 8, 1), (64, 16, 1)]
 DKV_CONFIGS = [(64, 4, 3), (128, 8, 2)]
 ROWS_PER_DRAW = 256  # query rows whose distinct indices are drawn at once
 
@@ -63,6 +63,8 @@ def bwd_calls(sets, deterministic=False, **knobs):
 
 def dkv_calls(sets, **knobs):
     """The whole backward with the dkv kernel's configuration set to ``knobs`` (bench-only patch)."""
+    if not knobs:
+        return bwd_calls(sets)
     def call(s):
         saved = dict(sparse_bwd.DKV_CONFIG)
         sparse_bwd.DKV_CONFIG.update(block_n=knobs["block_n"], warps=knobs["num_warps"], stages=knobs["num_stages"])
@@ -106,14 +108,27 @@ def compiled_stats(jit_fn, before: set) -> str:
     return "; ".join(notes)
 
 
+def deviation(got, ref) -> float:
+    """Largest |got - ref| over the outputs, relative to the largest |ref| (a config must agree)."""
+    return max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got, ref))
+
+
+def describe(knobs: dict) -> str:
+    """The configuration a row ran with: the sweep's fastest, or the module's defaults."""
+    if not knobs:
+        return "default config"
+    return f"N={knobs['block_n']} w={knobs['num_warps']} st={knobs['num_stages']}"
+
+
 def cache_keys(jit_fn) -> set:
     caches = list(jit_fn.device_caches.values())
     return set(caches[0][0]) if caches else set()
 
 
-def sweep(sets) -> list[Row]:
-    """Time each (keys per step, warps, stages) configuration of fwd and bwd at one context."""
-    rows = []
+def sweep(sets) -> tuple[list[Row], dict[str, dict]]:
+    """Time each (keys per step, warps, stages) configuration of fwd and bwd at one context;
+    return the rows and the fastest fwd and dq-kernel knobs."""
+    rows, best = [], {}
     shape = f"s_kv={sets[0][1].shape[0] // 1024}K"
     for name, configs, calls, flops, floor, jit_fn in (
         ("sweep fwd", FWD_CONFIGS, fwd_calls, FWD_FLOPS, FWD_FLOOR, sparse_fwd._sparse_fwd_kernel),
@@ -128,32 +143,40 @@ def sweep(sets) -> list[Row]:
             except Exception as e:  # e.g. out of shared memory: report and go on
                 log.warning("%s %s failed: %s", name, knobs, str(e).splitlines()[0][:200])
                 continue
-            note = f"N={block_n} w={warps} st={stages}: {compiled_stats(jit_fn, before)}"
+            diff = deviation(calls(sets[:1], **knobs)[0](), calls(sets[:1])[0]())
+            note = f"N={block_n} w={warps} st={stages}: {compiled_stats(jit_fn, before)}; vs default {diff:.1e}"
             rows.append(Row(name, shape, ms, tflops(flops, ms), "TFLOPS", floor, note))
             print(rows[-1])
-    return rows
+            if name != "sweep bwd dkv kernel" and ms < best.get(name, (float("inf"),))[0]:
+                best[name] = (ms, knobs)
+    return rows, {name.split()[1]: knobs for name, (_, knobs) in best.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="append the table to this Markdown file")
-    parser.add_argument("--sweep", action="store_true", help="also time kernel configurations at 64K")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time kernel configurations at 64K, then measure every row with the fastest")
     parser.add_argument("--s-kv", type=int, nargs="+", default=[8192, 65536, 131072])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
-    rows = []
-    for s_kv in tqdm(args.s_kv, desc="contexts"):
+    rows, best = [], {}
+    contexts = sorted(args.s_kv, key=lambda s: s != 65536) if args.sweep else args.s_kv
+    for s_kv in tqdm(contexts, desc="contexts"):
         sets = make_sets(s_kv, device)
         shape = f"s_q={S_Q} s_kv={s_kv // 1024}K topk={TOPK} h_q={H_Q} d_qk={D_QK}"
         if args.sweep and s_kv == 65536:
-            rows += sweep(sets)
-        ms = median_ms(fwd_calls(sets))
-        rows.append(Row("sparse_mla_fwd triton", shape, ms, tflops(FWD_FLOPS, ms), "TFLOPS", FWD_FLOOR))
-        ms_bwd = median_ms(bwd_calls(sets), iters=10)
+            sweep_rows, best = sweep(sets)
+            rows += sweep_rows
+        fwd_knobs, dq_knobs = best.get("fwd", {}), best.get("bwd", {})
+        ms = median_ms(fwd_calls(sets, **fwd_knobs))
+        rows.append(Row("sparse_mla_fwd triton", shape, ms, tflops(FWD_FLOPS, ms), "TFLOPS", FWD_FLOOR,
+                        describe(fwd_knobs)))
+        ms_bwd = median_ms(bwd_calls(sets, **dq_knobs), iters=10)
         rows.append(Row("sparse_mla_bwd triton", shape, ms_bwd, tflops(BWD_FLOPS, ms_bwd), "TFLOPS", BWD_FLOOR,
-                        f"atomic fp32 dkv; {kernel_split(bwd_calls(sets)[0])}"))
-        ms_det = median_ms(bwd_calls(sets, deterministic=True), warmup=1, iters=5)
+                        f"atomic fp32 dkv; {kernel_split(bwd_calls(sets, **dq_knobs)[0])}; {describe(dq_knobs)}"))
+        ms_det = median_ms(bwd_calls(sets, deterministic=True, **dq_knobs), warmup=1, iters=5)
         rows.append(Row("sparse_mla_bwd triton", shape, ms_det, tflops(BWD_FLOPS, ms_det), "TFLOPS", BWD_FLOOR,
                         f"deterministic: {ms_det / ms_bwd:.2f}x the atomic time"))
         for r in rows[-3:]:
