@@ -102,3 +102,15 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+def test_saved_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flashdsa.train.checkpoint import save_model
+
+    model = tiny_model(index_topk=64)  # every key kept: HF breaks top-k ties (zero scores) its own way
+    save_model(model, tmp_path, dtype=None)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = batch()[:, :LENGTH]
+    torch.testing.assert_close(hf(ids).logits, training_forward(model, ids, "dense").logits, rtol=1e-4, atol=1e-4)
