@@ -14,8 +14,9 @@ import torch
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.runtime.cache import write_indexer_cache, write_mla_cache
-from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES, indexer_block_views
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
+from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.metadata import BatchMetadata
 
 MODES = ("reference", "production")
@@ -77,9 +78,16 @@ def _store_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from an fp32 pool: ``[length, width]``."""
+    """The first ``length`` tokens of one sequence from a pool viewed ``[num_blocks, 64, width]``: ``[length, width]``."""
     blocks = block_table[: -(-length // pool.shape[1])].long()
     return pool[blocks].reshape(-1, pool.shape[-1])[:length]
+
+
+def gather_fp8_keys(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``length`` indexer keys of one sequence from the FP8 pool: (e4m3 [L, 128], fp32 scales [L])."""
+    keys, scales = indexer_block_views(pool)  # [nb, 64, 128] e4m3, [nb, 64] fp32
+    k_fp8 = gather_rows(keys.view(torch.uint8), block_table, length).view(E4M3)
+    return k_fp8, gather_rows(scales[..., None], block_table, length)[:, 0]
 
 
 def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> torch.Tensor:

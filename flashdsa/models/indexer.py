@@ -17,11 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdsa.models.caches import gather_rows, sequence_ranges, store_index_key
+from flashdsa.models.caches import gather_fp8_keys, gather_rows, sequence_ranges, store_index_key
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.rope import rope_rotate_half
-from flashdsa.runtime.indexer import hadamard_transform, indexer_logits_paged, indexer_topk, quantize_indexer
+from flashdsa.runtime.indexer import (
+    hadamard_transform,
+    indexer_logits,
+    indexer_logits_paged,
+    indexer_topk,
+    quantize_indexer,
+)
 from flashdsa.runtime.metadata import BatchMetadata
+
+PAGED_MAX_QUERIES = 4  # queries per sequence up to which the paged (decode) scoring runs
 
 
 class TopK(nn.Module):
@@ -86,18 +94,21 @@ class Indexer(nn.Module):
         return logits
 
     def _fp8_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
-        """Hadamard + FP8 scores over the paged indexer cache: ``[T, max_context]``."""
+        """Hadamard + FP8 scores over the paged indexer cache: ``[T, max_context]``.
+
+        Decode-sized steps (every sequence with the same few queries) read the pages in one call;
+        otherwise each sequence's keys are gathered and scored over ragged causal ranges."""
         q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H_I, D] e4m3, [T, H_I]
         w = w * q_scale * self.head_dim**-0.5
         ranges = sequence_ranges(meta)
         max_len = max(n for _, _, n in ranges)
         counts = {t1 - t0 for t0, t1, _ in ranges}
-        if len(counts) == 1:  # every sequence has n queries (e.g. all decoding): one call
+        if len(counts) == 1 and max(counts) <= PAGED_MAX_QUERIES:
             q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
             return indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, max_len)
         logits = w.new_full((q.shape[0], max_len), float("-inf"))
         for b, (t0, t1, length) in enumerate(ranges):
-            logits[t0:t1, :length] = indexer_logits_paged(
-                q_fp8[None, t0:t1], w[t0:t1], pool, meta.context_lens[b : b + 1], meta.block_tables[b : b + 1], length
-            )
+            k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]
+            ends = (meta.positions[t0:t1] + 1).to(torch.int32)
+            logits[t0:t1, :length] = indexer_logits(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, torch.zeros_like(ends), ends)
         return logits
