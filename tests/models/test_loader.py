@@ -122,3 +122,15 @@ def test_config_reads_both_rope_forms(shrunk):
     assert old.softmax_scale == pytest.approx(32**-0.5 * (0.1 * 1.0 * torch.tensor(4.0).log().item() + 1) ** 2)
     with pytest.raises(ValueError, match="model_type"):
         DeepseekV32Config.from_dict({**raw, "model_type": "llama"})
+
+
+def test_yarn_frequencies_and_scale_match_transformers(full_width):
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from flashdsa.models.rope import Rotary
+
+    hf = AutoConfig.from_pretrained(full_width)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    ours = Rotary(DeepseekV32Config.from_json(full_width))
+    assert torch.equal(ours.inv_freq, inv_freq) and ours.attention_factor == attention_factor
