@@ -1,0 +1,1 @@
+"""Layerwise accuracy check of flashdsa against Hugging Face transformers."""
