@@ -130,8 +130,9 @@ def _reduce_rows_kernel(rows_ptr, order_ptr, bounds_ptr, dkv_ptr, D_QK: tl.const
 
 
 # Keys per step, warps (per heads-per-program) and pipeline depth, from the sweep in
-# benchmarks/bench_attention.py on an H200 (s_kv 64K): dq N=64/1 stage 44.6 ms per backward vs
-# N=32/2 stages 49.4 ms; the dkv choices differ by < 3%.
+# benchmarks/bench_attention.py on an H200 (s_kv 64K, ms per backward): dq kernel N=64/1 stage
+# 39.7, N=32/1 stage 45.0, N=32/4 stages 46.3, 16 warps 75.0; dkv kernel N=64/4 warps 39.6,
+# N=128/8 warps 41.4.
 DQ_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 1}
 DKV_CONFIG = {"block_n": 64, "warps": 4, "stages": 3}
 

@@ -63,9 +63,11 @@ def _sparse_fwd_kernel(
 
 
 # Keys per step, warps (per heads-per-program) and pipeline depth, from the sweep in
-# benchmarks/bench_attention.py on an H200 (s_kv 64K): N=64/2 stages 10.4 ms, N=32/3 stages 13.3,
-# N=64/1 stage 18.1 (Q 72 KiB + two 72 KiB kv stages fill the 227 KiB of shared memory).
-FWD_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 2}
+# benchmarks/bench_attention.py on an H200 (s_kv 64K, ms per forward): N=64 with 4 stages 9.43,
+# 2 stages 10.33, 1 stage 18.1; N=32 with 8 stages 12.2; 16 warps 21.9. The gathered kv tile is an
+# indirect load, so Triton gives it 2 buffers whatever the depth (Q 72 KiB + 2 x 72 KiB of kv);
+# the extra stages prefetch the indices.
+FWD_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 4}
 
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
