@@ -46,9 +46,9 @@ CONFIG = dict(
 )
 COMMON = dict(seq_len=512, batch_tokens=8192, eval_every=25, eval_tokens=65536, keep_best=True)
 STAGES = [  # (stage, steps, peak lr, seconds allowed)
-    ("dense", 1000, 1e-3, 130),
+    ("dense", 500, 1e-3, 130),
     ("warmup", 200, 1e-3, 30),
-    ("sparse", 400, 3e-4, 100),
+    ("sparse", 200, 2e-4, 100),
 ]
 SAMPLE_PROMPT = "ROMEO:\n"
 ALL_STAGES_LOG = "all_stages.jsonl"

@@ -26,6 +26,8 @@ _FONT = {
     "v": "000101101101010", "o": "000111101101111", "p": "000111101111100", "x": "000101010101101",
     "d": "001001111101111", "g": "000111101011110", "m": "000111111101101", "u": "000101101101111",
     "k": "100101110101101", " ": "000000000000000", ":": "000010000010000", "=": "000111000111000",
+    "w": "000101101111111", "c": "000111100100111", "h": "100100111101101", "y": "000101011001110",
+    "b": "100100111101111", "f": "011100110100100",
 }
 
 WIDTH, HEIGHT, MARGIN = 640, 400, 40
@@ -74,13 +76,15 @@ def render(series: Sequence[Series], width: int = WIDTH, height: int = HEIGHT) -
     _line(canvas, left, bottom, right, bottom, AXES)
     _text(canvas, left, bottom + 8, f"{x_lo:g}", AXES)
     _text(canvas, right - 40, bottom + 8, f"{x_hi:g}"[:6], AXES)
-    for i, (label, pts, color) in enumerate(series):
+    legend_x = left + 10
+    for label, pts, color in series:
         finite = [p for p in pts if math.isfinite(p[1])]
         for (xa, ya), (xb, yb) in zip(finite, finite[1:]):
             _line(canvas, *to_px(xa, ya), *to_px(xb, yb), color)
         if len(finite) == 1:
             _text(canvas, *map(int, to_px(*finite[0])), "x", color)
-        _text(canvas, left + 10 + 110 * i, height - 14, label, color)
+        _text(canvas, legend_x, height - 14, label, color)
+        legend_x += 8 * len(label) + 24
     return canvas
 
 
