@@ -184,6 +184,8 @@ def main() -> None:
         if url is None:
             process, url = start_server(args, args.model)
         card = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        warmup = random_prompts(url, 2, args.input_len, args.seed - 1)
+        asyncio.run(run_level(url, card["id"], 2, warmup, 4))  # compiles kernels; not measured
         rows = []
         for c in args.concurrency:
             requests = args.requests or max(8, 2 * c)
