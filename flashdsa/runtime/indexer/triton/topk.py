@@ -112,6 +112,7 @@ def _topk_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, prefi
         cols, key, ok = _keys_at(row_ptr, cand_ptr, c + tl.arange(0, BLOCK), lo, hi, False)
         num_sel = _append(sel_ptr, num_sel, cols, ok & ((key >> 24) > (threshold >> 24)))
         num_cand = _append(cand_ptr, num_cand, cols, ok & ((key >> 24) == (threshold >> 24)))
+    tl.debug_barrier()  # the lists written above are read back by other threads of this program
     # the other three bytes of the threshold, over the candidates only
     threshold, above, need = _radix_pass(row_ptr, cand_ptr, 0, num_cand, threshold, need, 16, True, BLOCK)
     need -= above
@@ -127,6 +128,7 @@ def _topk_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, prefi
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
         num_sel = _append(sel_ptr, num_sel, cols, (ok & (key > threshold)) | (eq & (eq_rank < need)))
         taken_eq += tl.sum(eq.to(tl.int32), 0)
+    tl.debug_barrier()
     # sort the selected by (key desc, position asc) and write positions (and scores)
     i = tl.arange(0, K_PAD)
     chosen = i < num_sel

@@ -39,7 +39,7 @@ class DecodeConfig:
 
     block_n: int = 64
     num_warps: int = 8
-    num_stages: int = 1
+    num_stages: int = 2  # measured 8% faster than 1 on an H200 (b=128, s_q=2, topk=2048)
     q_in_loop: bool = False  # reload q from L2 every step instead of keeping it live (fewer registers)
     split_dv: bool = False  # two launches, each accumulating half of d_v (QK recomputed, half the registers)
     target_programs: int = 2 * 132
