@@ -24,7 +24,7 @@ from flashdsa.runtime.indexer.triton.logits import ragged_logits_into
 
 BLOCK = 2048  # scores per step of a pass
 MAX_TOPK = 8192  # the selected pairs are sorted in registers
-FUSED_BUFFER_BYTES = 256 << 20  # scores (and as much candidate scratch) of a group of rows, fused top-k
+SCRATCH_BYTES = 256 << 20  # candidate lists (and fused scores) of the rows one launch handles
 
 
 @triton.jit
@@ -167,13 +167,16 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: to
     if num_rows == 0:
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    selected = torch.empty(num_rows, k_pad, dtype=torch.int32, device=logits.device)
-    candidates = torch.empty(num_rows, logits.shape[1], dtype=torch.int32, device=logits.device)
-    _topk_kernel[(num_rows,)](
-        logits, logits.stride(0), starts, ends, 0, 0, out, 0, 0, 0, selected, candidates, candidates.stride(0),
-        out, out.stride(0), logits, 0, topk,
-        RANGES=True, PREFIX=False, VALUES=False, K_PAD=k_pad, BLOCK=BLOCK, num_warps=num_warps,
-    )
+    group = max(1, min(num_rows, SCRATCH_BYTES // (4 * max(1, logits.shape[1]))))  # rows per launch
+    selected = torch.empty(group, k_pad, dtype=torch.int32, device=logits.device)
+    candidates = torch.empty(group, logits.shape[1], dtype=torch.int32, device=logits.device)
+    for r0 in range(0, num_rows, group):
+        rows = slice(r0, min(r0 + group, num_rows))
+        _topk_kernel[(rows.stop - r0,)](
+            logits[rows], logits.stride(0), starts[rows], ends[rows], 0, 0, out, 0, 0, 0, selected, candidates,
+            candidates.stride(0), out[rows], out.stride(0), logits, 0, topk,
+            RANGES=True, PREFIX=False, VALUES=False, K_PAD=k_pad, BLOCK=BLOCK, num_warps=num_warps,
+        )
     return out
 
 
@@ -186,7 +189,7 @@ def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, 
     out = torch.empty(num_q, topk, dtype=torch.int32, device=device)
     q_fp8, weights, k_fp8, k_scale = (t.contiguous() for t in (q_fp8, weights, k_fp8, k_scale))
     width = topk + chunk
-    group = max(1, min(num_q, FUSED_BUFFER_BYTES // (4 * width)))
+    group = max(1, min(num_q, SCRATCH_BYTES // (4 * width)))
     scores = torch.empty(group, width, dtype=torch.float32, device=device)
     selected = torch.empty(group, k_pad, dtype=torch.int32, device=device)
     candidates = torch.empty(group, width, dtype=torch.int32, device=device)
