@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdsa.runtime.cache.allocator import slot_mapping
+from flashdsa.runtime.cache.layout import BLOCK_SIZE
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.runtime.scheduler import ScheduledChunk
 
@@ -25,36 +25,41 @@ class StepLogits:
 
 
 def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int]]:
-    """Flat input ids [T] int64 and the step's BatchMetadata (CPU), plus each chunk's logits rows."""
-    ids, positions, seq_ids, slots, logits_indices = [], [], [], [], []
-    starts, context_lens, row_start, num_rows = [0], [], [], []
-    for b, chunk in enumerate(chunks):
-        seq, end = chunk.seq, chunk.start + chunk.num_tokens
-        pos = torch.arange(chunk.start, end, dtype=torch.int64)
-        ids.append(torch.tensor(seq.token_ids[chunk.start : end], dtype=torch.int64))
-        positions.append(pos)
-        seq_ids.append(torch.full((chunk.num_tokens,), b, dtype=torch.int64))
-        slots.append(slot_mapping(seq.block_table, pos))
+    """Flat input ids [T] int64 and the step's BatchMetadata (CPU), plus each chunk's logits rows.
+
+    Built with a handful of batched tensor ops, so the cost per step stays small at batch 128+.
+    """
+    ids: list[int] = []
+    logits_indices: list[int] = []
+    row_start, num_rows = [], []
+    for chunk in chunks:
+        first = len(ids)
+        ids += chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
         row_start.append(len(logits_indices))
-        if seq.wants_prompt_logprobs:
-            logits_indices.extend(range(starts[-1], starts[-1] + chunk.num_tokens))
+        if chunk.seq.wants_prompt_logprobs:
+            logits_indices += range(first, len(ids))
         elif chunk.samples:
-            logits_indices.append(starts[-1] + chunk.num_tokens - 1)
+            logits_indices.append(len(ids) - 1)
         num_rows.append(len(logits_indices) - row_start[-1])
-        starts.append(starts[-1] + chunk.num_tokens)
-        context_lens.append(end)
+    counts = torch.tensor([c.num_tokens for c in chunks])
+    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    query_start_loc[1:] = counts.cumsum(0)
+    seq_ids = torch.repeat_interleave(torch.arange(len(chunks)), counts)
+    offsets = torch.tensor([c.start for c in chunks]) - query_start_loc[:-1]
+    positions = torch.arange(len(ids)) + offsets[seq_ids]
     width = max(len(c.seq.block_table) for c in chunks)
-    tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks]
+    tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks], dtype=torch.int32)
+    slots = tables[seq_ids, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
     meta = BatchMetadata(
-        positions=torch.cat(positions),
-        seq_ids=torch.cat(seq_ids),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        slot_mapping=torch.cat(slots),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
+        positions=positions,
+        seq_ids=seq_ids,
+        query_start_loc=query_start_loc,
+        context_lens=(torch.tensor([c.start for c in chunks]) + counts).int(),
+        slot_mapping=slots,
+        block_tables=tables,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
     )
-    return torch.cat(ids), meta, row_start, num_rows
+    return torch.tensor(ids, dtype=torch.int64), meta, row_start, num_rows
 
 
 class ModelRunner:
