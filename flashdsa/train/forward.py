@@ -107,27 +107,40 @@ def _mla(attn, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.dtype)  # [T, H, 576]
     kv = torch.cat([c_kv, k_pe.to(c_kv.dtype)], dim=-1).to(step.dtype)  # [T, 576]
 
-    scores = None
+    scores = None  # indexer scores [B, L, L] from detached inputs: the KL reaches the indexer only
     if step.attention == "sparse" or step.indexer_loss:
-        scores = indexer_scores(attn.indexer, x.detach(), q_resid.detach(), step)  # [B, L, L]
-    kl = x.new_zeros((), dtype=torch.float32)
-    if step.attention == "sparse":
-        local = causal_topk(scores.detach(), c.index_topk)  # [B, L, K] positions, -1 padded
-        offsets = (torch.arange(step.batch, device=x.device) * step.length)[:, None, None]
-        rows = torch.where(local >= 0, local + offsets, -1).view(T, -1).to(torch.int32)  # rows of kv
-        o_lat, lse = sparse_mla_attention(q, kv[:, None], rows[:, None], c.softmax_scale, c.kv_lora_rank, step.backend)
-        if step.indexer_loss:
-            target = selected_attention_target(q.detach(), kv.detach(), rows, lse, c.softmax_scale)
-            selected = scores.view(T, step.length).gather(1, local.view(T, -1).clamp_min(0))
-            kl = indexer_kl(target, selected, rows >= 0)
-    else:
-        o_lat = _dense_attention(q, kv, step, c.softmax_scale, c.kv_lora_rank)
-        if step.indexer_loss:
-            shape = (step.batch, step.length)
-            target = dense_attention_target(q.view(*shape, H, -1), kv.view(*shape, -1), c.softmax_scale)
-            kl = indexer_kl(target, scores, torch.isfinite(scores))
+        scores = indexer_scores(attn.indexer, x.detach(), q_resid.detach(), step)
+    attend = _sparse_branch if step.attention == "sparse" else _dense_branch
+    o_lat, kl = attend(q, kv, scores, c, step)  # [T, H, 512], KL scalar (0 when not asked)
     o = torch.einsum("thc,hdc->thd", o_lat.to(x.dtype), w_uv.to(x.dtype))  # [T, H, v_head_dim]
     return attn.o_proj(o.flatten(1)), kl
+
+
+def _sparse_branch(q, kv, scores, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k attention of q: [T, H, d_qk] over kv: [T, d_qk] through the sparse kernels, and the
+    indexer KL over the selected keys."""
+    T = q.shape[0]
+    local = causal_topk(scores.detach(), c.index_topk)  # [B, L, K] positions, -1 padded
+    offsets = (torch.arange(step.batch, device=q.device) * step.length)[:, None, None]
+    rows = torch.where(local >= 0, local + offsets, -1).view(T, -1).to(torch.int32)  # rows of the flat kv
+    o_lat, lse = sparse_mla_attention(q, kv[:, None], rows[:, None], c.softmax_scale, c.kv_lora_rank, step.backend)
+    kl = q.new_zeros((), dtype=torch.float32)
+    if step.indexer_loss:
+        target = selected_attention_target(q.detach(), kv.detach(), rows, lse, c.softmax_scale)
+        selected = scores.view(T, step.length).gather(1, local.view(T, -1).clamp_min(0))
+        kl = indexer_kl(target, selected, rows >= 0)
+    return o_lat, kl
+
+
+def _dense_branch(q, kv, scores, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over every key, and the indexer KL over every causal key."""
+    o_lat = _dense_attention(q, kv, step, c.softmax_scale, c.kv_lora_rank)
+    kl = q.new_zeros((), dtype=torch.float32)
+    if step.indexer_loss:
+        shape = (step.batch, step.length)
+        target = dense_attention_target(q.view(*shape, q.shape[1], -1), kv.view(*shape, -1), c.softmax_scale)
+        kl = indexer_kl(target, scores, torch.isfinite(scores))
+    return o_lat, kl
 
 
 def _dense_attention(q: torch.Tensor, kv: torch.Tensor, step: _Step, scale: float, d_v: int) -> torch.Tensor:
