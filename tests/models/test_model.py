@@ -64,15 +64,21 @@ def test_batch_of_different_lengths_equals_each_alone(reference, random_ids):
     _assert_close(batched, torch.cat(alone))
 
 
-def test_one_forward_mixes_decode_tokens_and_prefill_chunks(reference, random_ids):
+@pytest.mark.parametrize("checkpoint, mode", [("shrunk", "reference"), ("full_width", "production")])
+def test_one_forward_mixes_decode_tokens_and_prefill_chunks(request, random_ids, checkpoint, mode):
+    model = load_model(request.getfixturevalue(checkpoint), mode=mode)
     a, b = random_ids(80, seed=3), random_ids(100, seed=4)
     table = contiguous_block_tables([80, 100])
-    want = _run(reference, torch.cat([a, b]), [0, 0], [80, 100], table, reference.allocate_caches(4), all_logits=True)
-    caches = reference.allocate_caches(4)
-    _run(reference, torch.cat([a[:79], b[:40]]), [0, 0], [79, 40], table, caches)
+    want = _run(model, torch.cat([a, b]), [0, 0], [80, 100], table, model.allocate_caches(4), all_logits=True)
+    caches = model.allocate_caches(4)
+    _run(model, torch.cat([a[:79], b[:40]]), [0, 0], [79, 40], table, caches)
     # sequence 0 decodes its last token while sequence 1 prefills the rest
-    mixed = _run(reference, torch.cat([a[79:], b[40:]]), [79, 40], [1, 60], table, caches, all_logits=True)
-    _assert_close(mixed, torch.cat([want[79:80], want[120:]]))
+    mixed = _run(model, torch.cat([a[79:], b[40:]]), [79, 40], [1, 60], table, caches, all_logits=True)
+    want = torch.cat([want[79:80], want[120:]])
+    if mode == "reference":
+        _assert_close(mixed, want)
+    else:  # FP8 caches read the same bytes either way; only bf16 GEMM shapes differ
+        assert F.cosine_similarity(mixed.flatten(), want.flatten(), dim=0).item() > 0.999
 
 
 def test_production_mode_runs_on_cpu_close_to_reference(full_width, random_ids):
