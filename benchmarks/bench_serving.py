@@ -199,7 +199,8 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"\n## Serving: {card['id']} ({args.device}, {args.mode if not args.url else 'external'})\n\n"
+    where = "server at --url" if args.url else f"{args.device}, {args.mode} mode"
+    section = (f"\n## Serving: {card['id']} ({where})\n\n"
                f"{date}, commit {commit()}, input {args.input_len} tokens, output {args.output_len} tokens\n\n"
                f"{table(rows)}\n")
     print(section)
