@@ -199,8 +199,8 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    where = "server at --url" if args.url else f"{args.device}, {args.mode} mode"
-    section = (f"\n## Serving: {card['id']} ({where})\n\n"
+    served = "server at --url" if args.url else f"{args.device}, {args.mode} mode"
+    section = (f"\n## Serving: {card['id']} ({served})\n\n"
                f"{date}, commit {commit()}, input {args.input_len} tokens, output {args.output_len} tokens\n\n"
                f"{table(rows)}\n")
     print(section)
