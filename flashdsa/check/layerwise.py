@@ -3,9 +3,10 @@
 Both models run the same tokens as one prefill. Per layer: cosine and max relative error
 (``max|a - b| / max|b|``) of the hidden states, and the indexer's top-k recall (the share of HF's
 causal choices that flashdsa also picked). A choice that differs only between positions whose
-scores are exactly tied is a *tie swap*: it counts as agreement in the recall, and because a tie swap legitimately changes
-what that token attends to, hidden states and logits are compared on the tokens before the first
-tie swap. Then the final logits: cosine, relative error, greedy (argmax) agreement.
+scores are exactly tied is a *tie swap*: it counts as agreement in the recall, and since it
+legitimately changes what that token attends to, reference mode compares hidden states and
+logits on the tokens before the first tie swap. Then the final logits: cosine, relative error,
+greedy (argmax) agreement.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ TIE_TOL = 1e-5  # scores within TIE_TOL * max|row| of the k-th best count as tie
 @dataclass
 class Run:
     """One model's outputs on T tokens: per-layer hidden states [T, hidden], top-k positions
-    [T, k] (-1 padded), optionally the indexer scores [T, T], and logits [T, vocab]."""
+    [T, k] (-1 padded), the indexer scores [T, T] where the model exposes them (reference mode),
+    and logits [T, vocab]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
     topk: list[torch.Tensor] = field(default_factory=list)
@@ -98,9 +100,8 @@ def load_hf_reference(path: Path, device: str | torch.device):
 
 def _record(run: Run, key: str):
     def hook(module, inputs, output):
-        if key == "scores":
+        if key == "scores":  # the logits the top-k chose from (not seen when a fused top-k runs)
             run.scores.append(inputs[0].float())
-            run.topk.append(output)
         else:
             out = (output[0] if isinstance(output, tuple) else output).squeeze(0)
             getattr(run, key).append(out.float() if key == "hidden" else out)
@@ -125,6 +126,7 @@ def run_flashdsa(model: DeepseekV32ForCausalLM, ids: torch.Tensor) -> Run:
     run = Run()
     layers = model.model.layers
     handles = [layer.register_forward_hook(_record(run, "hidden")) for layer in layers]
+    handles += [layer.self_attn.indexer.register_forward_hook(_record(run, "topk")) for layer in layers]
     handles += [layer.self_attn.indexer.topk.register_forward_hook(_record(run, "scores")) for layer in layers]
     table = contiguous_block_tables([len(ids)])
     try:
@@ -136,17 +138,17 @@ def run_flashdsa(model: DeepseekV32ForCausalLM, ids: torch.Tensor) -> Run:
     return run
 
 
-def _topk_agreement(hf_topk: torch.Tensor, ours: torch.Tensor, scores: torch.Tensor) -> tuple[float, list[int]]:
+def _topk_agreement(hf_topk: torch.Tensor, ours: torch.Tensor, scores: torch.Tensor | None) -> tuple[float, list[int]]:
     """(recall of HF's causal choices up to exact ties, tokens whose sets differ only by exactly
-    tied scores). A tie swap counts as agreement."""
+    tied scores). A tie swap counts as agreement; without our scores no tie is recognised."""
     found = total = 0
     tie_rows = []
     for t in range(ours.shape[0]):
         want = {p for p in hf_topk[t].tolist() if 0 <= p <= t}
         got = {p for p in ours[t].tolist() if p >= 0}
         total += len(want)
-        if want != got and got:
-            row = scores[t]
+        if want != got and got and scores is not None:
+            row = scores[t].cpu()
             kth = row[list(got)].min()
             tol = TIE_TOL * row[torch.isfinite(row)].abs().max()
             if all(abs(row[p] - kth) <= tol for p in want ^ got):
@@ -166,7 +168,8 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(hf: Run, ours: Run, mode: str = "reference") -> Report:
     """Compare the runs; in reference mode only the tokens before the first tie swap count."""
-    agreement = [_topk_agreement(h.cpu(), o.cpu(), s.cpu()) for h, o, s in zip(hf.topk, ours.topk, ours.scores)]
+    scores = ours.scores if len(ours.scores) == len(ours.topk) else [None] * len(ours.topk)
+    agreement = [_topk_agreement(h.cpu(), o.cpu(), s) for h, o, s in zip(hf.topk, ours.topk, scores)]
     tie_rows = [t for _, rows in agreement for t in rows] if mode == "reference" else []
     rows = min(tie_rows, default=len(hf.logits))
     if tie_rows:

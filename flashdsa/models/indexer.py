@@ -22,7 +22,7 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.rope import rope_rotate_half
 from flashdsa.runtime.indexer import (
     hadamard_transform,
-    indexer_logits,
+    indexer_fused_topk,
     indexer_logits_paged,
     indexer_topk,
     quantize_indexer,
@@ -72,10 +72,8 @@ class Indexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [T, H_I]
         store_index_key(pool, k, meta.slot_mapping)
         if pool.dtype == torch.uint8:
-            logits = self._fp8_logits(q, w, meta, pool)
-        else:
-            logits = self._exact_logits(q, w, meta, pool)
-        return self.topk(logits)  # [T, topk]
+            return self._fp8_select(q, w, meta, pool)
+        return self.topk(self._exact_logits(q, w, meta, pool))  # [T, topk]
 
     def _rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -93,22 +91,23 @@ class Indexer(nn.Module):
             logits[t0:t1, :length] = scores.masked_fill(~causal, float("-inf"))
         return logits
 
-    def _fp8_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
-        """Hadamard + FP8 scores over the paged indexer cache: ``[T, max_context]``.
+    def _fp8_select(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
+        """Hadamard + FP8 scores over the indexer cache, then top-k: ``[T, topk]`` positions.
 
-        Decode-sized steps (every sequence with the same few queries) read the pages in one call;
-        otherwise each sequence's keys are gathered and scored over ragged causal ranges."""
+        Decode-sized steps (every sequence with the same few queries) score the pages in one call;
+        otherwise each sequence's keys are gathered and scored and selected chunk by chunk, so no
+        whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
         q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H_I, D] e4m3, [T, H_I]
         w = w * q_scale * self.head_dim**-0.5
         ranges = sequence_ranges(meta)
-        max_len = max(n for _, _, n in ranges)
         counts = {t1 - t0 for t0, t1, _ in ranges}
         if len(counts) == 1 and max(counts) <= PAGED_MAX_QUERIES:
             q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
-            return indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, max_len)
-        logits = w.new_full((q.shape[0], max_len), float("-inf"))
+            max_len = max(n for _, _, n in ranges)
+            return self.topk(indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, max_len))
+        out = torch.empty(q.shape[0], self.topk.k, dtype=torch.int32, device=q.device)
         for b, (t0, t1, length) in enumerate(ranges):
             k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]
             ends = (meta.positions[t0:t1] + 1).to(torch.int32)
-            logits[t0:t1, :length] = indexer_logits(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, torch.zeros_like(ends), ends)
-        return logits
+            out[t0:t1] = indexer_fused_topk(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, torch.zeros_like(ends), ends, self.topk.k)
+        return out
