@@ -35,7 +35,10 @@ DECODE_CONFIGS = [  # (keys per step, warps, stages, q reloaded each step, d_v s
     (32, 8, 2, False, True), (64, 4, 2, False, True), (64, 8, 1, True, False), (32, 8, 2, True, True),
 ]
 INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
-PAGED_CONFIGS = [(64, 16, 4, 3), (64, 8, 4, 4), (128, 8, 4, 3), (128, 4, 8, 3), (256, 4, 8, 2)]
+PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads on the dot's N)
+    (64, 16, 4, 3, False), (64, 8, 4, 4, False), (128, 8, 4, 3, False), (64, 16, 4, 3, True), (128, 8, 4, 3, True),
+    (128, 8, 8, 3, True), (256, 4, 8, 2, True),
+]
 PREFILL_Q, PREFILL_KEYS = 4096, 65536
 
 
@@ -114,11 +117,11 @@ def bench_indexer_decode(device, copy_gbs) -> list[Row]:
     target = 0.5 * copy_gbs
     shape = f"b={INDEXER_B} ctx={INDEXER_CTX // 1024}K H={INDEXER_H}"
     rows, best = [], None
-    for tokens, steps, warps, stages in PAGED_CONFIGS:
-        knobs = dict(tokens_per_step=tokens, steps=steps, num_warps=warps, num_stages=stages)
+    for tokens, steps, warps, stages, heads_on_n in PAGED_CONFIGS:
+        knobs = dict(tokens_per_step=tokens, steps=steps, num_warps=warps, num_stages=stages, heads_on_n=heads_on_n)
         ms = median_ms([lambda: logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **knobs)])
         rows.append(Row("indexer logits paged", shape, ms, read / ms / 1e6, "GB/s", target,
-                        f"tokens={tokens} steps={steps} w={warps} st={stages}"))
+                        f"tokens={tokens} steps={steps} w={warps} st={stages} heads_on_n={heads_on_n}"))
         print(rows[-1])
         best = knobs if best is None or ms < min(r.ms for r in rows[:-1]) else best
     scores = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)

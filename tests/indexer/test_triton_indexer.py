@@ -155,10 +155,11 @@ def test_paged_logits_match_reference(next_n, num_heads, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, steps, warps", [(128, 8, 4), (256, 4, 8)])
-def test_paged_logits_launch_variants_match_reference(tokens, steps, warps):
-    inputs = paged_inputs(3, 2, 64, [2, 300, 1000], cuda, generator(tokens))
-    check_paged(*inputs, tokens_per_step=tokens, steps=steps, num_warps=warps)
+@pytest.mark.parametrize("tokens, steps, warps, heads_on_n, next_n", [
+    (128, 8, 4, False, 2), (256, 4, 8, False, 1), (64, 16, 4, True, 1), (128, 8, 4, True, 3), (64, 8, 4, True, 2)])
+def test_paged_logits_launch_variants_match_reference(tokens, steps, warps, heads_on_n, next_n):
+    inputs = paged_inputs(3, next_n, 64, [3, 300, 1000], cuda, generator(tokens, next_n))
+    check_paged(*inputs, tokens_per_step=tokens, steps=steps, num_warps=warps, heads_on_n=heads_on_n)
 
 
 @pytest.mark.gpu
@@ -213,6 +214,7 @@ def run_interpreter_cases() -> None:
         check_fused(*inputs, 16, 100)
     check_paged(*paged_inputs(2, 2, 16, [3, 150], cpu, generator(3)))
     check_paged(*paged_inputs(2, 1, 16, [70, 200], cpu, generator(4)), tokens_per_step=128, steps=2)
+    check_paged(*paged_inputs(2, 3, 16, [70, 200], cpu, generator(5)), tokens_per_step=64, steps=2, heads_on_n=True)
     logits = tricky_logits(4, 1500, cpu, generator(4))
     check_topk(logits, 64)
     check_topk(logits, 32, torch.tensor([0, 100, 7, 1500], dtype=torch.int32),

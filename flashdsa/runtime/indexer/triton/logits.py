@@ -88,7 +88,7 @@ def indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends) -> torch.Tensor
 def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
                   num_heads, next_n, max_context_len, stride_table,
                   NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, STEPS: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, STEPS: tl.constexpr, HEADS_ON_N: tl.constexpr):
     """Request b, positions [j * TOKENS * STEPS, (j + 1) * TOKENS * STEPS), TOKENS (whole cache
     blocks, found through the block table) per step."""
     b = tl.program_id(0).to(tl.int64)
@@ -115,9 +115,15 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
             offset = pos % BLOCK_SIZE
             k = tl.load(base[:, None] + offset[:, None] * D + d[None, :], mask=inside[:, None], other=0)
             scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + offset, mask=inside, other=0.0)
-            dots = tl.dot(q, tl.trans(k.to(tl.float8e4nv, bitcast=True)), max_num_imprecise_acc=32)
-            dots = tl.maximum(dots, 0.0) * w[:, None]  # [NEXT_N * H, TOKENS]
-            score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
+            k = k.to(tl.float8e4nv, bitcast=True)
+            if HEADS_ON_N:  # tokens on M, heads on N: the head sum stays inside each warp
+                dots = tl.dot(k, tl.trans(q), max_num_imprecise_acc=32)
+                dots = tl.maximum(dots, 0.0) * w[None, :]  # [TOKENS, NEXT_N * H]
+                score = tl.trans(tl.sum(tl.reshape(dots, (TOKENS, NEXT_N, H)), 2)) * scale[None, :]
+            else:
+                dots = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
+                dots = tl.maximum(dots, 0.0) * w[:, None]  # [NEXT_N * H, TOKENS]
+                score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
             score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
         else:
             score = tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32)
@@ -126,11 +132,12 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
 
 def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
                          tokens_per_step: int = 64, steps: int = STEPS_PER_PROGRAM, num_warps: int = 4,
-                         num_stages: int = 3) -> torch.Tensor:
+                         num_stages: int = 3, heads_on_n: bool = False) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
     query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond.
-    The keyword knobs set the launch (benchmarks sweep them)."""
+    The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
+    the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step."""
     batch, next_n, num_heads, _ = q_fp8.shape
     out = torch.empty(batch * next_n, max_context_len, dtype=torch.float32, device=q_fp8.device)
     if out.numel() == 0:
@@ -143,6 +150,7 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
         q_fp8.contiguous(), weights.contiguous(), k_cache, context_lens, table, out,
         num_heads, next_n, max_context_len, table.stride(0),
         NEXT_N=triton.next_power_of_2(next_n), H=_pad_heads(num_heads), D=INDEX_HEAD_DIM,
-        BLOCK_SIZE=block_size, TOKENS=tokens, STEPS=steps, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=block_size, TOKENS=tokens, STEPS=steps, HEADS_ON_N=heads_on_n,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
