@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from flashdsa.cli import main
 from flashdsa.models.loader import load_model
 from flashdsa.train import checkpoint as ckpt
+from flashdsa.train import loop
 from flashdsa.train.data import read_documents, split_stream, token_stream
 from flashdsa.train.loop import TrainConfig, Trainer, evaluate
 
@@ -22,8 +23,8 @@ SEQ_LEN, BATCH_TOKENS = 32, 128
 def make_trainer(model_dir, corpus, output, stage: str, steps: int, **overrides) -> Trainer:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, held_out = split_stream(token_stream(read_documents(corpus, tokenizer), tokenizer), 0.1, SEQ_LEN)
-    cfg = TrainConfig(stage=stage, steps=steps, lr=3e-3, seq_len=SEQ_LEN, batch_tokens=BATCH_TOKENS,
-                      eval_every=1000, eval_tokens=4 * SEQ_LEN, **overrides)
+    settings = dict(lr=3e-3, seq_len=SEQ_LEN, batch_tokens=BATCH_TOKENS, eval_every=1000, eval_tokens=4 * SEQ_LEN)
+    cfg = TrainConfig(stage=stage, steps=steps, **{**settings, **overrides})
     source = ckpt.latest_checkpoint(output) or model_dir
     trainer = Trainer(load_model(source, mode="reference"), train, held_out, cfg, output, model_dir, "cpu")
     if source != model_dir:
@@ -73,3 +74,20 @@ def test_resume_refuses_another_stage(tiny_model_dir, corpus, tmp_path):
     make_trainer(tiny_model_dir, corpus, tmp_path, "warmup", 1).train()
     with pytest.raises(ValueError, match="cannot resume a 'warmup' run as stage 'sparse'"):
         make_trainer(tiny_model_dir, corpus, tmp_path, "sparse", 2)
+
+
+def test_keep_best_ends_on_the_best_evaluated_weights(tiny_model_dir, corpus, tmp_path, monkeypatch):
+    scripted = iter([3.0, 1.0, 2.0])  # held-out losses of steps 1, 2, 3: step 2 is the best
+    monkeypatch.setattr(loop, "evaluate", lambda *args: {"eval_loss": next(scripted)})
+    trainer = make_trainer(tiny_model_dir, corpus, tmp_path, "sparse", 3, keep_best=True, eval_every=1, save_every=1)
+    assert trainer.train()["best_eval_loss"] == 1.0
+    step2 = load_model(ckpt.checkpoint_dir(tmp_path, 2), mode="reference").state_dict()
+    assert all(torch.equal(step2[name], t) for name, t in trainer.model.state_dict().items())
+    last = load_model(ckpt.checkpoint_dir(tmp_path, 3), mode="reference").state_dict()
+    assert not all(torch.equal(last[name], t) for name, t in trainer.model.state_dict().items())
+
+
+def test_time_limit_stops_with_a_resumable_checkpoint(tiny_model_dir, corpus, tmp_path):
+    stopped = make_trainer(tiny_model_dir, corpus, tmp_path / "timed", "sparse", 50, time_limit_s=0.0)
+    stopped.train()
+    assert stopped.step == 1 and ckpt.latest_checkpoint(tmp_path / "timed").name == "step-000001"
