@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime.block_manager import BlockManager
+from flashdsa.runtime.checks import check
 from flashdsa.runtime.detokenizer import Detokenizer
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits
 from flashdsa.runtime.sampler import sample, sampled_logprobs, token_logprobs
@@ -34,6 +35,13 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # default: cache_fraction of the device memory (CUDA)
     cache_fraction: float = 0.9
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+        check(0 < self.cache_fraction <= 1, f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
 
 
 @dataclass

@@ -100,3 +100,10 @@ def test_requests_that_cannot_fit_are_refused(tok):
         engine.add_request("b", [], SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
         engine.add_request("c", [10**6], SamplingParams())
+
+
+@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(num_blocks=0),
+                                 dict(cache_fraction=1.5), dict(max_model_len=1)])
+def test_engine_options_out_of_range_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EngineConfig(**bad)
