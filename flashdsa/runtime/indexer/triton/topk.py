@@ -143,6 +143,7 @@ def _topk_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, prefi
     low = tl.full([], 0xFFFFFFFF, tl.uint32)
     packed = (key.to(tl.uint64) << 32) | (low - pos.to(tl.uint32)).to(tl.uint64)  # ties: lower position first
     packed = tl.sort(tl.where(chosen, packed, 0), 0, descending=True)
+    tl.debug_barrier()  # every thread has read the scores and positions that the stores below overwrite
     keep = i < topk
     pos = tl.where(chosen, (low - (packed & low).to(tl.uint32)).to(tl.int32), -1)
     tl.store(out_idx_ptr + row * stride_o + i, pos, mask=keep)
