@@ -3,6 +3,9 @@ behind a real uvicorn on 127.0.0.1, driven by the official openai client."""
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -19,14 +22,19 @@ SYSTEM = "You are a helpful assistant. " * 12  # > 64 tokens: at least one full 
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_path(tmp_path_factory):
+    from flashdsa.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), shrink=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
     from transformers import AutoTokenizer
 
     from flashdsa.models.loader import load_model
-    from flashdsa.models.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), shrink=True)
-    return load_model(path, mode="reference"), AutoTokenizer.from_pretrained(str(path))
+    return load_model(tiny_path, mode="reference"), AutoTokenizer.from_pretrained(str(tiny_path))
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +275,27 @@ def test_full_queue_answers_503_and_recovers(tiny):
         again = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert again.status_code == 200
         assert s.engine.block_manager.num_used_blocks == 0
+
+
+def test_flashdsa_serve_command_starts_serves_and_stops(tiny_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "flashdsa.cli", "serve", "--model", str(tiny_path), "--port", str(port),
+               "--device", "cpu", "--mode", "reference", "--num-blocks", "8", "--api-key", KEY,
+               "--served-model-name", MODEL]
+    process = subprocess.Popen(command)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "flashdsa serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+        assert client.completions.create(prompt="hi", **greedy(max_tokens=3)).usage.completion_tokens == 3
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) is not None
