@@ -19,7 +19,9 @@ from flashdsa.models.caches import MODES
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None) -> int:
+def sample(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
+) -> int:
     """Next token from ``logits: [vocab]`` fp32; temperature 0 is greedy (argmax)."""
     if temperature <= 0:
         return int(logits.argmax())
@@ -82,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer(text).input_ids
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    messages = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False).input_ids
 
 

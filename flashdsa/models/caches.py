@@ -42,7 +42,9 @@ class ModelCaches:
 def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, device: torch.device) -> ModelCaches:
     layers = range(config.num_hidden_layers)
     if mode == "production":
-        return ModelCaches([mla_pool(num_blocks, device) for _ in layers], [indexer_pool(num_blocks, device) for _ in layers])
+        return ModelCaches(
+            [mla_pool(num_blocks, device) for _ in layers], [indexer_pool(num_blocks, device) for _ in layers]
+        )
     shape = (num_blocks, BLOCK_SIZE, 1)
     return ModelCaches(
         [torch.zeros(*shape, config.d_qk, device=device) for _ in layers],
@@ -52,7 +54,10 @@ def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, devic
 
 def cache_bytes_per_block(config: DeepseekV32Config, mode: str) -> int:
     """Bytes one 64-token block takes over all layers, both caches."""
-    per_token = MLA_TOKEN_BYTES + INDEXER_TOKEN_BYTES if mode == "production" else 4 * (config.d_qk + config.index_head_dim)
+    if mode == "production":
+        per_token = MLA_TOKEN_BYTES + INDEXER_TOKEN_BYTES
+    else:
+        per_token = 4 * (config.d_qk + config.index_head_dim)
     return config.num_hidden_layers * BLOCK_SIZE * per_token
 
 
@@ -78,7 +83,7 @@ def _store_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
 
 
 def gather_rows(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a pool viewed ``[num_blocks, 64, width]``: ``[length, width]``."""
+    """The first ``length`` tokens ``[length, width]`` of one sequence from a pool ``[num_blocks, 64, width]``."""
     blocks = block_table[: -(-length // pool.shape[1])].long()
     return pool[blocks].reshape(-1, pool.shape[-1])[:length]
 

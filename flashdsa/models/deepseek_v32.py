@@ -20,7 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashdsa.models.caches import MODES, ModelCaches, allocate_caches, cache_bytes_per_block, positions_to_slots, store_latent
+from flashdsa.models.caches import (
+    MODES,
+    ModelCaches,
+    allocate_caches,
+    cache_bytes_per_block,
+    positions_to_slots,
+    store_latent,
+)
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.indexer import Indexer
 from flashdsa.models.moe import MLP, MoE
@@ -66,7 +73,8 @@ class MLA(nn.Module):
         """x: [T, hidden] -> [T, hidden]; writes this step's tokens into both pools first."""
         c, T, H = self.config, x.shape[0], self.n_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
-        q_nope, q_pe = self.q_b_proj(q_resid).view(T, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
+        q = self.q_b_proj(q_resid).view(T, H, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)  # [T, H, 128], [T, H, 64]
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, 512]
         q_pe, k_pe = rope_interleaved(q_pe, *cos_sin), rope_interleaved(k_pe, *cos_sin)  # [T, H, 64], [T, 64]

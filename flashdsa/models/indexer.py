@@ -48,7 +48,8 @@ class TopK(nn.Module):
 class Indexer(nn.Module):
     def __init__(self, config: DeepseekV32Config):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = config.index_n_heads, config.index_head_dim, config.qk_rope_head_dim
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -109,5 +110,6 @@ class Indexer(nn.Module):
         for b, (t0, t1, length) in enumerate(ranges):
             k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]
             ends = (meta.positions[t0:t1] + 1).to(torch.int32)
-            out[t0:t1] = indexer_fused_topk(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, torch.zeros_like(ends), ends, self.topk.k)
+            starts = torch.zeros_like(ends)
+            out[t0:t1] = indexer_fused_topk(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, starts, ends, self.topk.k)
         return out

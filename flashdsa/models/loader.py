@@ -86,7 +86,9 @@ def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
         logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not used for generation)", skipped)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", mode: str = "production") -> DeepseekV32ForCausalLM:
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", mode: str = "production"
+) -> DeepseekV32ForCausalLM:
     """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``.
 
     Raises ValueError naming every missing, unexpected or mis-shaped tensor.
@@ -106,8 +108,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", mode: str =
         else:
             loaded[name] = t.to(device=device, dtype=model.param_dtype(name))
     missing = sorted(set(expected) - set(loaded) - {m.split(":")[0] for m in misshaped})
-    problems = [f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
-                for label, items in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped)) if items]
+    problems = [
+        f"{label} ({len(names)}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        for label, names in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped))
+        if names
+    ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match the DeepSeek-V3.2 model: " + "; ".join(problems))
     model.load_state_dict(loaded, assign=True)

@@ -39,7 +39,8 @@ class Rotary:
 
             low = max(math.floor(dim_of(beta_fast)), 0)
             high = min(math.ceil(dim_of(beta_slow)), dim - 1)
-            ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
+            ramp = (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)
+            ramp = ramp.clamp(0, 1)
             keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: interpolate
             freq = 1.0 / (factor * wavelength) * (1 - keep) + freq * keep
             mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
