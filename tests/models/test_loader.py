@@ -134,3 +134,18 @@ def test_yarn_frequencies_and_scale_match_transformers(full_width):
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
     ours = Rotary(DeepseekV32Config.from_json(full_width))
     assert torch.equal(ours.inv_freq, inv_freq) and ours.attention_factor == attention_factor
+
+
+def test_make_tiny_command_writes_a_checkpoint_transformers_and_flashdsa_load(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashdsa.cli import main
+
+    assert main(["make-tiny", str(tmp_path), "--shrink", "--seed", "3", "--shards", "2"]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = load_model(tmp_path, mode="reference")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert torch.equal(hf.model.layers[1].mlp.experts.down_proj[3], ours.state_dict()[name])
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 1 and tokenizer.chat_template
+    assert len(tokenizer) == ours.config.vocab_size
