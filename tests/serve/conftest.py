@@ -1,3 +1,5 @@
+"""Serve tests: the helper modules next to them on sys.path, and the tiny checkpoints' tokenizer."""
+
 import sys
 from pathlib import Path
 
