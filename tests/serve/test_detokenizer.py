@@ -1,7 +1,5 @@
 """Incremental detokenization: whole characters only, stop strings cut and held back."""
 
-import pytest
-
 from flashdsa.runtime.detokenizer import Detokenizer
 
 
