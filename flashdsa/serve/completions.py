@@ -51,7 +51,6 @@ class CompletionChoice:
         self.started = False
         self.pieces: list[str] = []
         self.token_ids: list[int] = []
-        self.logprobs: list[Optional[TokenLogprobs]] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
 
