@@ -53,6 +53,7 @@ class CompletionChoice:
         self.token_ids: list[int] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
+        self.cached_tokens = 0
 
     def delta(self, out: RequestOutput) -> tuple[str, Optional[dict]]:
         """Text and logprobs this output adds (echo: the prompt comes first)."""
@@ -70,6 +71,7 @@ class CompletionChoice:
         self.text_len += len(text)
         self.pieces.append(text)
         self.token_ids += out.new_token_ids
+        self.cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return text, lp
@@ -100,7 +102,8 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
                 "choices": choices_json, "usage": usage_json}
 
     def total_usage() -> dict:
-        return usage(prompts, sum(len(c.token_ids) for c in choices))
+        cached = sum(c.cached_tokens for c in choices[:: params.n])  # the first choice of each prompt
+        return usage(prompts, sum(len(c.token_ids) for c in choices), cached)
 
     if body.stream:
         async def events() -> AsyncIterator[dict]:

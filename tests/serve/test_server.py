@@ -170,6 +170,10 @@ def test_shared_system_prompt_hits_the_prefix_cache(server, client):
     reply = client.chat.completions.create(messages=[{"role": "system", "content": SYSTEM},
                                                      {"role": "user", "content": "Again?"}], **greedy(max_tokens=2))
     assert reply.usage.prompt_tokens_details.cached_tokens >= 64
+    prompt = SYSTEM + "Once more."
+    client.completions.create(prompt=prompt, **greedy(max_tokens=2))
+    again = client.completions.create(prompt=prompt, **greedy(max_tokens=2))
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64
     for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
                  "inter_token_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total"):
         assert metric(server, name) > 0
