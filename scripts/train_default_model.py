@@ -29,9 +29,9 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.train.autograd import sparse_mla_attention
 from flashdsa.train.checkpoint import save_model
-from flashdsa.train.data import read_documents, split_stream, token_stream
+from flashdsa.train.data import eval_batches, read_documents, split_stream, token_stream
 from flashdsa.train.init import initialize
-from flashdsa.train.loop import LOG_FILE, TrainConfig, Trainer
+from flashdsa.train.loop import LOG_FILE, TrainConfig, Trainer, evaluate
 from flashdsa.train.plot import save_loss_png
 from flashdsa.train.tokenizer import train_bpe_tokenizer
 
@@ -73,7 +73,7 @@ def sparse_backend(device: torch.device, wanted: str) -> str:
             out, _ = sparse_mla_attention(q, kv, indices, 576**-0.5, 512, backend)
             grads[backend] = torch.autograd.grad((out.float() * dout.float()).sum(), (q, kv))
     except Exception as e:  # a kernel that fails to build or run: train on the reference instead
-        logger.error("triton sparse attention failed (%s: %s); training with the reference backend", type(e).__name__, e)
+        logger.error("triton sparse attention failed (%s: %s); training with the reference", type(e).__name__, e)
         return "reference"
     for a, b in zip(grads["triton"], grads["reference"]):
         cosine = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0)
@@ -81,6 +81,18 @@ def sparse_backend(device: torch.device, wanted: str) -> str:
             logger.error("triton gradients differ from the reference (cosine %.6f); using the reference", cosine)
             return "reference"
     return "triton"
+
+
+def held_out_losses(model_dir: Path, eval_tokens: torch.Tensor, seq_len: int, device: torch.device) -> dict:
+    """Held-out LM loss of the exported (bf16) model with sparse and with dense attention, and the indexer KL."""
+    from flashdsa.models.loader import load_model
+
+    model = load_model(model_dir, device=device, mode="reference")
+    batches = eval_batches(eval_tokens, seq_len, 16, len(eval_tokens))
+    sparse = evaluate(model, batches, TrainConfig(stage="sparse", steps=1, seq_len=seq_len), device)
+    dense = evaluate(model, batches, TrainConfig(stage="dense", steps=1, seq_len=seq_len), device)
+    return {"sparse_lm_loss": sparse["eval_lm_loss"], "indexer_kl": sparse["eval_indexer_kl"],
+            "dense_lm_loss": dense["eval_lm_loss"], "tokens": sum(b[:, 1:].numel() for b in batches)}
 
 
 def sample(model_dir: Path, device: torch.device, max_tokens: int = 200) -> str:
@@ -106,7 +118,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every stage's steps and time")
-    parser.add_argument("--smoke", action="store_true", help="short sequences and tiny batches: check the script on CPU")
+    parser.add_argument("--smoke", action="store_true", help="short sequences, tiny batches: check the script on CPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device, work, output = torch.device(args.device), Path(args.work), Path(args.output)
@@ -140,17 +152,19 @@ def main() -> None:
         metrics = trainer.train()
         records = [json.loads(line) for line in (work / stage / LOG_FILE).read_text().splitlines()]
         speed = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
-        summary["stages"].append({"stage": stage, "steps": trainer.step, "lr": lr, "seconds": time.perf_counter() - started,
-                                  "median_tokens_per_s": speed, **metrics})
+        summary["stages"].append({"stage": stage, "steps": trainer.step, "lr": lr, "median_tokens_per_s": speed,
+                                  "seconds": time.perf_counter() - started, **metrics})
         logger.info("%s: %s", stage, summary["stages"][-1])
         key = "eval_indexer_kl" if stage == "warmup" else "eval_lm_loss"
-        series.append((f"{stage} {key[5:]}", [(offset + r["step"], r[key]) for r in records if key in r], colors[stage]))
+        points = [(offset + r["step"], r[key]) for r in records if key in r]
+        series.append((f"{stage} {key[5:]}", points, colors[stage]))
         offset += trainer.step
         with (work / ALL_STAGES_LOG).open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
 
     save_model(model, output, tokenizer_dir, dtype=torch.bfloat16, max_shard_bytes=15 << 20)
     save_loss_png(work / "loss.png", series)
+    summary["held_out"] = held_out_losses(output, eval_tokens, common["seq_len"], device)
     try:
         summary["sample"] = sample(output, device)
     except Exception as e:  # the sample documents the model; a failure must not lose the training

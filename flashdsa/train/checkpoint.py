@@ -89,7 +89,9 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def save_training_checkpoint(model, state: dict, output_dir: str | Path, step: int, tokenizer_dir, keep: int = 2) -> Path:
+def save_training_checkpoint(
+    model, state: dict, output_dir: str | Path, step: int, tokenizer_dir, keep: int = 2
+) -> Path:
     """Save model (training dtype) + ``state`` as checkpoint ``step``; keep the newest ``keep``."""
     path = checkpoint_dir(output_dir, step)
     save_model(model, path, tokenizer_dir)

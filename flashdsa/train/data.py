@@ -64,7 +64,8 @@ class TokenBatches:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int = 0):
         if len(tokens) < 2 * (seq_len + 1):
-            raise ValueError(f"need at least {2 * (seq_len + 1)} training tokens for seq_len {seq_len}, got {len(tokens)}")
+            need = 2 * (seq_len + 1)
+            raise ValueError(f"need at least {need} training tokens for seq_len {seq_len}, got {len(tokens)}")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.epoch, self.position = 0, 0
         self._plan()

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear LR warm-up steps (default 5%%, <= 100)")
-    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR / peak LR of the cosine (default 0.1)")
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="final / peak LR of the cosine (default 0.1)")
     parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default 0.1)")
     parser.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip (default 1.0)")
     parser.add_argument("--kl-weight", type=float, default=1.0, help="weight of the indexer KL in the sparse stage")
@@ -80,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
     metrics = trainer.train()
     ckpt.save_model(model, args.output, args.model, DTYPES[args.save_dtype], args.max_shard_mb << 20)
     summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-    print(f"{cfg.stage} stage: {cfg.steps} steps on {len(train_tokens)} tokens; {summary}; model saved to {args.output}")
+    print(f"{cfg.stage} stage: {trainer.step} steps on {len(train_tokens)} tokens; {summary}; saved to {args.output}")
     return 0

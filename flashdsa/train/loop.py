@@ -199,7 +199,8 @@ class Trainer:
         self.model.load_state_dict({k: v.to(self.device) for k, v in best.items()})
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_training_checkpoint(self.model, self.state_dict(), self.output_dir, self.step, self.tokenizer_dir)
+        return ckpt.save_training_checkpoint(self.model, self.state_dict(), self.output_dir, self.step,
+                                             self.tokenizer_dir)
 
     def _log(self, record: dict) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,8 @@ def render(series: Sequence[Series], width: int = WIDTH, height: int = HEIGHT) -
     left, right, top, bottom = MARGIN + 20, width - 10, 10, height - MARGIN
 
     def to_px(x: float, y: float) -> tuple[float, float]:
-        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
+        px = left + (x - x_lo) / (x_hi - x_lo) * (right - left)
+        return px, bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top)
 
     for k in range(5):  # horizontal grid lines with their y values
         y = y_lo + (y_hi - y_lo) * k / 4

@@ -18,7 +18,8 @@ def dense_masked_attention(q, kv, indices, sm_scale, d_v=512, backend=None):
     s_kv = kv.shape[0]
     idx = indices[:, 0].long()
     valid = (idx >= 0) & (idx < s_kv)
-    mask = torch.zeros(q.shape[0], s_kv + 1, dtype=torch.bool).scatter_(1, torch.where(valid, idx, s_kv), True)[:, :s_kv]
+    mask = torch.zeros(q.shape[0], s_kv + 1, dtype=torch.bool).scatter_(1, torch.where(valid, idx, s_kv), True)
+    mask = mask[:, :s_kv]  # column s_kv collected the invalid indices
     scores = torch.einsum("thc,sc->ths", q, kv[:, 0]) * sm_scale
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -35,7 +36,8 @@ def random_selection(s_q: int, s_kv: int, topk: int, generator) -> torch.Tensor:
     return rows[:, None].to(torch.int32)
 
 
-@pytest.mark.parametrize("s_q,s_kv,h_q,d_qk,d_v,topk", [(9, 13, 3, 20, 16, 6), (4, 7, 1, 12, 12, 7), (1, 5, 2, 8, 4, 3)])
+@pytest.mark.parametrize("s_q,s_kv,h_q,d_qk,d_v,topk",
+                         [(9, 13, 3, 20, 16, 6), (4, 7, 1, 12, 12, 7), (1, 5, 2, 8, 4, 3)])
 def test_sparse_gradients_equal_dense_masked_attention(s_q, s_kv, h_q, d_qk, d_v, topk):
     g = torch.Generator().manual_seed(s_q * 100 + topk)
     q = torch.randn(s_q, h_q, d_qk, generator=g, dtype=torch.float64, requires_grad=True)

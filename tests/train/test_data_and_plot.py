@@ -74,7 +74,8 @@ def test_png_encodes_the_rendered_pixels():
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
     length = struct.unpack(">I", data[33:37])[0]
-    assert data[37:41] == b"IDAT" and zlib.crc32(data[37 : 41 + length]) == struct.unpack(">I", data[41 + length : 45 + length])[0]
+    crc = struct.unpack(">I", data[41 + length : 45 + length])[0]
+    assert data[37:41] == b"IDAT" and zlib.crc32(data[37 : 41 + length]) == crc
     rows = torch.tensor(list(zlib.decompress(data[41 : 41 + length])), dtype=torch.uint8).view(height, 1 + width * 3)
     assert (width, height) == (120, 80) and (rows[:, 0] == 0).all()
     assert torch.equal(rows[:, 1:].view(height, width, 3), image)
