@@ -9,8 +9,8 @@ T = B * L tokens:
     sparse: each query attends to the top-k keys of its indexer scores (causal, indices
             detached) through the sparse kernels' autograd function
 
-The indexer scores every causal key in fp32 without Hadamard or FP8 (the reference computation),
-from detached inputs, so its KL loss trains the indexer alone.
+The indexer (``flashdsa.train.indexer``) scores without Hadamard or FP8 (the reference
+computation), from detached inputs, so its KL loss trains the indexer alone.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flashdsa.models.rope import rope_interleaved, rope_rotate_half
+from flashdsa.models.rope import rope_interleaved
 from flashdsa.train.autograd import sparse_mla_attention
+from flashdsa.train.indexer import IndexerInputs, causal_scores, indexer_inputs, select_topk, selected_scores
 from flashdsa.train.losses import dense_attention_target, indexer_kl, selected_attention_target
 
 ATTENTION_MODES = ("dense", "sparse")
@@ -107,38 +108,38 @@ def _mla(attn, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.dtype)  # [T, H, 576]
     kv = torch.cat([c_kv, k_pe.to(c_kv.dtype)], dim=-1).to(step.dtype)  # [T, 576]
 
-    scores = None  # indexer scores [B, L, L] from detached inputs: the KL reaches the indexer only
+    index = None  # the indexer's q, k, w from detached inputs: its KL reaches the indexer only
     if step.attention == "sparse" or step.indexer_loss:
-        scores = indexer_scores(attn.indexer, x.detach(), q_resid.detach(), step)
+        index = indexer_inputs(attn.indexer, x.detach(), q_resid.detach(), step.cos_sin, step.batch)
     attend = _sparse_branch if step.attention == "sparse" else _dense_branch
-    o_lat, kl = attend(q, kv, scores, c, step)  # [T, H, 512], KL scalar (0 when not asked)
+    o_lat, kl = attend(q, kv, index, c, step)  # [T, H, 512], KL scalar (0 when not asked)
     o = torch.einsum("thc,hdc->thd", o_lat.to(x.dtype), w_uv.to(x.dtype))  # [T, H, v_head_dim]
     return attn.o_proj(o.flatten(1)), kl
 
 
-def _sparse_branch(q, kv, scores, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_branch(q, kv, index: IndexerInputs, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k attention of q: [T, H, d_qk] over kv: [T, d_qk] through the sparse kernels, and the
     indexer KL over the selected keys."""
     T = q.shape[0]
-    local = causal_topk(scores.detach(), c.index_topk)  # [B, L, K] positions, -1 padded
+    local = select_topk(index, c.index_topk)  # [B, L, K] positions, -1 padded
     offsets = (torch.arange(step.batch, device=q.device) * step.length)[:, None, None]
     rows = torch.where(local >= 0, local + offsets, -1).view(T, -1).to(torch.int32)  # rows of the flat kv
     o_lat, lse = sparse_mla_attention(q, kv[:, None], rows[:, None], c.softmax_scale, c.kv_lora_rank, step.backend)
     kl = q.new_zeros((), dtype=torch.float32)
     if step.indexer_loss:
         target = selected_attention_target(q.detach(), kv.detach(), rows, lse, c.softmax_scale)
-        selected = scores.view(T, step.length).gather(1, local.view(T, -1).clamp_min(0))
-        kl = indexer_kl(target, selected, rows >= 0)
+        kl = indexer_kl(target, selected_scores(index, local).view(T, -1), rows >= 0)
     return o_lat, kl
 
 
-def _dense_branch(q, kv, scores, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_branch(q, kv, index: IndexerInputs, c, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over every key, and the indexer KL over every causal key."""
     o_lat = _dense_attention(q, kv, step, c.softmax_scale, c.kv_lora_rank)
     kl = q.new_zeros((), dtype=torch.float32)
     if step.indexer_loss:
         shape = (step.batch, step.length)
         target = dense_attention_target(q.view(*shape, q.shape[1], -1), kv.view(*shape, -1), c.softmax_scale)
+        scores = causal_scores(index)  # [B, L, L]
         kl = indexer_kl(target, scores, torch.isfinite(scores))
     return o_lat, kl
 
@@ -150,35 +151,3 @@ def _dense_attention(q: torch.Tensor, kv: torch.Tensor, step: _Step, scale: floa
     k = kv.view(B, 1, L, -1).expand(B, H, L, kv.shape[-1])
     out = F.scaled_dot_product_attention(q, k, k[..., :d_v], is_causal=True, scale=scale)
     return out.transpose(1, 2).reshape(B * L, H, d_v)
-
-
-def indexer_scores(indexer, x: torch.Tensor, q_resid: torch.Tensor, step: _Step) -> torch.Tensor:
-    """Indexer scores of every key for every query: [B, L, L] fp32, -inf where s > t.
-
-    I[t, s] = D^-0.5 * sum_h w_t[h] relu(q_t[h] . k_s) with the model's indexer projections.
-    """
-    B, L, Hi, D, R = step.batch, step.length, indexer.n_heads, indexer.head_dim, indexer.rope_dim
-
-    def rope(t: torch.Tensor) -> torch.Tensor:
-        rot, rest = t.split([R, D - R], dim=-1)
-        return torch.cat([rope_rotate_half(rot, *step.cos_sin), rest], dim=-1)
-
-    q = rope(indexer.wq_b(q_resid).view(B * L, Hi, D)).view(B, L, Hi, D).float()
-    k = rope(indexer.k_norm(indexer.wk(x))).view(B, L, D).float()
-    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float().view(B, L, Hi) * Hi**-0.5
-    dots = F.relu(torch.einsum("bthd,bsd->bths", q, k) * D**-0.5)  # [B, L, Hi, L]
-    scores = torch.einsum("bth,bths->bts", w, dots)
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    return scores.masked_fill(~causal, float("-inf"))
-
-
-def causal_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Positions of the ``topk`` best causal scores per query: [B, L, L] -> [B, L, topk] int64, -1 padded.
-
-    Always ``topk`` columns (the sparse kernels want a fixed width); query t has min(topk, t+1) valid.
-    Ties go to the lower position (a stable sort), as in the inference indexer's top-k.
-    """
-    k = min(topk, scores.shape[-1])
-    values, positions = scores.sort(dim=-1, descending=True, stable=True)
-    positions = positions[..., :k].masked_fill(torch.isinf(values[..., :k]), -1)
-    return F.pad(positions, (0, topk - k), value=-1)

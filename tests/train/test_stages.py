@@ -7,7 +7,8 @@ import torch
 
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.runtime.metadata import BatchMetadata
-from flashdsa.train.forward import causal_topk, training_forward
+from flashdsa.train.forward import training_forward
+from flashdsa.train.indexer import causal_topk
 from flashdsa.train.init import initialize
 from flashdsa.train.loop import TrainConfig, compute_losses, make_optimizer, set_trainable
 

@@ -1,0 +1,90 @@
+"""The lightning indexer for training: full-sequence scores, causal top-k, scores of the selected keys.
+
+No Hadamard or FP8 (the reference computation), from the model's own indexer projections; the
+products run in fp32, or in bf16 under the training loop's autocast on CUDA:
+
+    I[t, s] = D^-0.5 * sum_h w_t[h] relu(q_t[h] . k_s),  s <= t
+
+Selection scores query blocks without gradients, so it never holds more than ``SELECT_CHUNK``
+score rows; the sparse stage then differentiates only the scores of the selected keys
+(``[B, L, topk]``), never the whole ``[B, L, L]`` matrix. The dense warm-up needs every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashdsa.models.rope import rope_rotate_half
+
+SELECT_CHUNK = 1024  # queries scored at once when selecting the top-k
+
+
+@dataclass
+class IndexerInputs:
+    """q: [B, L, H_I, D], k: [B, L, D], w: [B, L, H_I] (head weights with H_I^-0.5 folded in), fp32."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    w: torch.Tensor
+
+    def scores(self, rows: slice, keys: int) -> torch.Tensor:
+        """Scores of queries ``rows`` against keys ``[0, keys)``: [B, n, keys] (no causal mask)."""
+        dots = F.relu(torch.einsum("bthd,bsd->bths", self.q[:, rows], self.k[:, :keys]) * self.q.shape[-1] ** -0.5)
+        return torch.einsum("bth,bths->bts", self.w[:, rows], dots)
+
+
+def indexer_inputs(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos_sin, batch: int) -> IndexerInputs:
+    """Project x: [T, hidden] and q_resid: [T, q_lora_rank] (T = batch * L) with the model's indexer."""
+    heads, dim, rope_dim = indexer.n_heads, indexer.head_dim, indexer.rope_dim
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half on the first rope_dim dims
+        rot, rest = t.split([rope_dim, dim - rope_dim], dim=-1)
+        return torch.cat([rope_rotate_half(rot, *cos_sin), rest], dim=-1)
+
+    q = rope(indexer.wq_b(q_resid).view(x.shape[0], heads, dim)).float()
+    k = rope(indexer.k_norm(indexer.wk(x))).float()
+    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
+    return IndexerInputs(q.view(batch, -1, heads, dim), k.view(batch, -1, dim), w.view(batch, -1, heads))
+
+
+def causal_scores(inputs: IndexerInputs) -> torch.Tensor:
+    """Every query against every key: [B, L, L] fp32, -inf where s > t."""
+    length = inputs.k.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=inputs.k.device).tril()
+    return inputs.scores(slice(None), length).masked_fill(~causal, float("-inf"))
+
+
+@torch.no_grad()
+def select_topk(inputs: IndexerInputs, topk: int) -> torch.Tensor:
+    """The top-k causal keys of every query: [B, L, topk] int64 positions, -1 padded."""
+    length, parts = inputs.k.shape[1], []
+    for start in range(0, length, SELECT_CHUNK):
+        stop = min(length, start + SELECT_CHUNK)
+        scores = inputs.scores(slice(start, stop), stop)  # [B, n, stop]
+        keys, queries = torch.arange(stop, device=scores.device), torch.arange(start, stop, device=scores.device)
+        causal = keys[None, :] <= queries[:, None]
+        parts.append(causal_topk(scores.masked_fill(~causal, float("-inf")), topk))
+    return torch.cat(parts, dim=1)
+
+
+def selected_scores(inputs: IndexerInputs, positions: torch.Tensor) -> torch.Tensor:
+    """Differentiable scores of the selected keys: positions [B, L, K] -> [B, L, K] (junk where -1: mask it)."""
+    batch = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
+    keys = inputs.k[batch, positions.clamp_min(0)]  # [B, L, K, D]
+    dots = F.relu(torch.einsum("bthd,btkd->bthk", inputs.q, keys) * inputs.q.shape[-1] ** -0.5)
+    return torch.einsum("bth,bthk->btk", inputs.w, dots)
+
+
+def causal_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Positions of the ``topk`` best finite scores per row: [B, n, S] -> [B, n, topk] int64, -1 padded.
+
+    Always ``topk`` columns (the sparse kernels want a fixed width); a row with fewer finite scores
+    is padded. Ties go to the lower position (a stable sort), as in the inference indexer's top-k.
+    """
+    k = min(topk, scores.shape[-1])
+    values, positions = scores.sort(dim=-1, descending=True, stable=True)
+    positions = positions[..., :k].masked_fill(torch.isinf(values[..., :k]), -1)
+    return F.pad(positions, (0, topk - k), value=-1)
