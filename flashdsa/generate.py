@@ -1,7 +1,7 @@
-"""``flashdsa generate``: one prompt, prefill then decode through the paged caches, streamed.
+"""``flashdsa generate``: one prompt through the serving engine, its text streamed to stdout.
 
-The sampler here is deliberately minimal (temperature, top-k, top-p on one row); the serving
-engine has its own batched sampler in ``flashdsa.runtime.sampling``.
+The request runs exactly as a served one does (scheduler, paged caches, batched sampler,
+incremental detokenizer), with a cache sized for this one request.
 """
 
 from __future__ import annotations
@@ -14,59 +14,10 @@ from pathlib import Path
 
 import torch
 
-from flashdsa.models.batch import contiguous_block_tables, step_metadata
 from flashdsa.models.caches import MODES
-from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
-
-
-def sample(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None
-) -> int:
-    """Next token from ``logits: [vocab]`` fp32; temperature 0 is greedy (argmax)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits / temperature
-    if 0 < top_k < logits.numel():
-        logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p  # tokens after the nucleus is full
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
-
-
-def generate_ids(
-    model: DeepseekV32ForCausalLM,
-    prompt: list[int],
-    max_tokens: int,
-    pick: Callable[[torch.Tensor], int],
-    stop: set[int] = frozenset(),
-    on_token: Callable[[int], None] | None = None,
-) -> tuple[list[int], float, float]:
-    """Prefill ``prompt``, then decode up to ``max_tokens`` tokens (stopping after a ``stop`` id).
-
-    Returns (generated ids, prefill seconds, decode seconds)."""
-    device = model.device
-    table = contiguous_block_tables([len(prompt) + max_tokens])
-    caches = model.allocate_caches(int(table.max()) + 1)
-    out: list[int] = []
-    start = time.perf_counter()
-    logits = model(torch.tensor(prompt, device=device), step_metadata([0], [len(prompt)], table, device=device), caches)
-    prefill_end = time.perf_counter()
-    while len(out) < max_tokens:
-        token = pick(logits[0].float())
-        out.append(token)
-        if on_token:
-            on_token(token)
-        if token in stop or len(out) == max_tokens:
-            break
-        meta = step_metadata([len(prompt) + len(out) - 1], [1], table, device=device)
-        logits = model(torch.tensor([token], device=device), meta, caches)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, prefill_end - start, time.perf_counter() - prefill_end
-
+from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.runtime.sequence import BLOCK_SIZE
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="checkpoint directory (HF layout)")
@@ -89,25 +40,44 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
-class TextStream:
-    """Print the decoded text of a growing id list as it grows; trailing U+FFFD (a UTF-8
-    character split across tokens) waits for the next token or :meth:`finish`."""
+def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int) -> LLMEngine:
+    """An engine whose cache holds one sequence of ``max_len`` tokens (capped at the model's
+    positions), rather than the serving default of as many blocks as memory allows."""
+    max_len = min(max_len, model.config.max_position_embeddings)
+    config = EngineConfig(max_num_seqs=1, max_model_len=max_len, num_blocks=-(-max_len // BLOCK_SIZE),
+                          enable_prefix_caching=False)
+    return LLMEngine(model, tokenizer, config)
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
 
-    def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        self._show(self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd"))
+def stream_request(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, write: Callable[[str], None]
+) -> tuple[list[int], float, float]:
+    """Run one request to its end, passing each step's new text to ``write`` as it comes.
 
-    def finish(self) -> None:
-        self._show(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+    Returns (output ids, seconds to the first token, seconds after it). ValueError if the
+    request does not fit the engine; RuntimeError if it fails."""
+    start = time.perf_counter()
+    engine.add_request("generate", prompt, params)
+    ids: list[int] = []
+    first_token_at = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(out.error)
+            if first_token_at is None and out.new_token_ids:
+                first_token_at = time.perf_counter()  # the step synchronised when it read the token
+            ids += out.new_token_ids
+            if out.new_text:
+                write(out.new_text)
+    end = time.perf_counter()
+    return ids, first_token_at - start, end - first_token_at
 
-    def _show(self, text: str) -> None:
-        if len(text) > self.shown:
-            sys.stdout.write(text[self.shown :])
-            sys.stdout.flush()
-            self.shown = len(text)
+
+def timings_line(prompt_tokens: int, prefill_s: float, output_tokens: int, decode_s: float) -> str:
+    """Prefill rate over the time to first token; decode rate over the tokens after the first."""
+    decode_tps = (output_tokens - 1) / decode_s if output_tokens > 1 and decode_s > 0 else float("nan")
+    return (f"[prompt {prompt_tokens} tokens, {prompt_tokens / prefill_s:.1f} tok/s | "
+            f"generated {output_tokens} tokens, {decode_tps:.1f} tok/s]")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,21 +85,23 @@ def run(args: argparse.Namespace) -> int:
 
     from flashdsa.models.loader import load_model
 
-    if args.max_tokens < 1:
-        raise SystemExit("--max-tokens must be at least 1")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens)
+    except ValueError as exc:
+        raise SystemExit(f"flashdsa generate: {exc}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = load_model(args.model, args.device, args.mode)
     prompt = encode_prompt(tokenizer, args.prompt, args.chat)
-    generator = torch.Generator().manual_seed(args.seed)
-    eos = model.config.eos_token_id
-    stop = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    stream = TextStream(tokenizer)
-    ids, prefill_s, decode_s = generate_ids(
-        model, prompt, args.max_tokens, lambda row: sample(row, args.temperature, args.top_p, args.top_k, generator),
-        stop, stream,
-    )
-    stream.finish()
-    decode_tps = (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else float("nan")
-    print(f"\n[prompt {len(prompt)} tokens, {len(prompt) / prefill_s:.1f} tok/s | "
-          f"generated {len(ids)} tokens, {decode_tps:.1f} tok/s]")
+    engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        ids, prefill_s, decode_s = stream_request(engine, prompt, params, write)
+    except ValueError as exc:
+        raise SystemExit(f"flashdsa generate: {exc}")
+    print("\n" + timings_line(len(prompt), prefill_s, len(ids), decode_s))
     return 0
