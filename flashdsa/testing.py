@@ -4,13 +4,17 @@
 - FlashMLA-style comparators: elementwise abs-or-rel tolerance plus a cosine-distance bound;
 - random indices with invalid (-1), out-of-range (< -1 or >= s_kv) and duplicate entries;
 - a random FP8 paged MLA cache with a random block table, and position -> slot id mapping;
-- an independent dense sparse-attention oracle (count matrix, float64) for the reference itself.
+- an independent dense sparse-attention oracle (count matrix, float64) for the reference itself;
+- the plumbing that runs a Triton kernel test file's CPU cases under the interpreter.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+import os
+import subprocess
+import sys
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -183,3 +187,42 @@ def dense_sparse_mla(
     out = torch.einsum("qhk,kv->qhv", torch.exp(weighted - safe_lse.unsqueeze(-1)), k[:, :d_v])
     max_logits = scores.masked_fill(counts == 0, float("-inf")).amax(dim=-1) if s_kv else lse.clone()
     return out, max_logits, lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def run_under_interpreter(script: str, seed: int, timeout: float = 600) -> None:
+    """Run ``python script --interpret`` with ``TRITON_INTERPRET=1`` and assert it succeeds.
+
+    Triton reads the variable when it is first imported, so the CPU cases of a kernel test file
+    run in a fresh process and the other tests of the same pytest run keep the normal triton.
+    The working directory (the repository root) goes first on PYTHONPATH so the child imports
+    this checkout; a failure shows ``seed`` and the tails of the child's output.
+    """
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    run = subprocess.run([sys.executable, script, "--interpret"], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, f"seed {seed}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+
+
+def kernel_test_main(interpreter_cases: Callable[[], None], memcheck_case: Callable[[], None],
+                     patch: bool = True) -> None:
+    """The ``__main__`` of a Triton kernel test file.
+
+    ``--interpret`` (the child :func:`run_under_interpreter` starts) runs ``interpreter_cases`` on
+    2 threads, first installing :func:`flashdsa.runtime.triton_interpreter.patch_interpreter`
+    unless ``patch`` is False (kernels that carry their own in-kernel workarounds);
+    ``--memcheck`` runs ``memcheck_case``, a small GPU case for ``compute-sanitizer``.
+    """
+    mode = sys.argv[1:]
+    if mode == ["--interpret"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "--interpret needs TRITON_INTERPRET=1"
+        torch.set_num_threads(2)
+        if patch:
+            from flashdsa.runtime.triton_interpreter import patch_interpreter
+
+            patch_interpreter()
+        interpreter_cases()
+    elif mode == ["--memcheck"]:
+        memcheck_case()
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --interpret | --memcheck")

@@ -1,7 +1,8 @@
-"""Make Triton 3.6's interpreter (``TRITON_INTERPRET=1``, the CPU test mode) run these kernels.
+"""Make Triton 3.6's interpreter (``TRITON_INTERPRET=1``, the CPU test mode) run flashdsa's kernels.
 
 Interpreter gaps, patched only when :func:`patch_interpreter` is called (the CPU tests do, in
-their interpreter subprocess; nothing on a GPU touches this):
+their interpreter subprocess, through ``flashdsa.testing.kernel_test_main``; nothing on a GPU
+touches this):
 - a loop bound computed at run time is a 1-element array, and NumPy >= 2.3 refuses ``int()``
   of it, so ``for i in range(start, end)`` with tensor bounds fails;
 - ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns; they are widened to

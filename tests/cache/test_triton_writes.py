@@ -11,14 +11,13 @@ checks under TRITON_INTERPRET=1 in a subprocess.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from flashdsa.runtime.cache import write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES
+from flashdsa.testing import kernel_test_main, run_under_interpreter
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 
@@ -84,9 +83,6 @@ def test_all_skipped_slots_leave_the_pool_untouched():
 
 
 def run_interpreter_cases() -> None:
-    from flashdsa.runtime.indexer.triton.interpreter import patch_interpreter
-
-    patch_interpreter()
     cpu = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float32):
         check_mla(40, 2, dtype, cpu)
@@ -94,10 +90,7 @@ def run_interpreter_cases() -> None:
 
 
 def test_writes_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run_under_interpreter(__file__, SEED)
 
 
 def run_memcheck_case() -> None:
@@ -106,8 +99,5 @@ def run_memcheck_case() -> None:
     torch.cuda.synchronize()
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    torch.set_num_threads(2)
-    run_interpreter_cases()
-elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
-    run_memcheck_case()
+if __name__ == "__main__":
+    kernel_test_main(run_interpreter_cases, run_memcheck_case)

@@ -14,8 +14,6 @@ GPU tests are marked ``gpu``; the CPU test runs tiny cases under TRITON_INTERPRE
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,7 +27,7 @@ from flashdsa.runtime.indexer import (
     indexer_topk,
     reference,
 )
-from flashdsa.testing import random_block_table
+from flashdsa.testing import kernel_test_main, random_block_table, run_under_interpreter
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 LOGITS_RTOL = 5e-4
@@ -200,9 +198,6 @@ INTERPRETER_RAGGED = [(3, 16, 300), (2, 5, 130)]  # tiny: the interpreter is slo
 
 
 def run_interpreter_cases() -> None:
-    from flashdsa.runtime.indexer.triton.interpreter import patch_interpreter
-
-    patch_interpreter()
     cpu = torch.device("cpu")
     x = torch.randn(3, 5, 128, generator=generator(2))
     assert torch.equal(hadamard_transform(x, backend="triton"), hadamard_transform(x, backend="reference"))
@@ -222,10 +217,7 @@ def run_interpreter_cases() -> None:
 
 
 def test_indexer_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run_under_interpreter(__file__, SEED)
 
 
 def run_memcheck_case() -> None:
@@ -239,8 +231,5 @@ def run_memcheck_case() -> None:
     torch.cuda.synchronize()
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    torch.set_num_threads(2)
-    run_interpreter_cases()
-elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
-    run_memcheck_case()
+if __name__ == "__main__":
+    kernel_test_main(run_interpreter_cases, run_memcheck_case)

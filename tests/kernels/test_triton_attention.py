@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from flashdsa.runtime.kernels import reference, sparse_mla_bwd, sparse_mla_fwd
-from flashdsa.testing import assert_flashmla_close, assert_lse_close, random_sparse_inputs
+from flashdsa.testing import (
+    assert_flashmla_close,
+    assert_lse_close,
+    kernel_test_main,
+    random_sparse_inputs,
+    run_under_interpreter,
+)
 
 D_V = 512
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
@@ -186,9 +190,7 @@ def run_interpreter_cases() -> None:
 
 
 def test_kernels_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run_under_interpreter(__file__, SEED)
 
 
 def run_memcheck_case() -> None:
@@ -201,9 +203,5 @@ def run_memcheck_case() -> None:
     print("memcheck case ran")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(2)
-    run_interpreter_cases()
-elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
-    run_memcheck_case()
+if __name__ == "__main__":
+    kernel_test_main(run_interpreter_cases, run_memcheck_case, patch=False)

@@ -11,8 +11,6 @@ extra rounding the kernel does is P to bf16 before P @ V and out to bf16: FlashM
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,8 +21,10 @@ from flashdsa.runtime.kernels.triton import sparse_decode
 from flashdsa.testing import (
     assert_flashmla_close,
     assert_lse_close,
+    kernel_test_main,
     random_block_table,
     random_indices,
+    run_under_interpreter,
     slots_from_positions,
 )
 
@@ -144,9 +144,6 @@ INTERPRETER_CASES = [  # (b, s_q, h_q, topk, context, num_splits, options): tiny
 
 
 def run_interpreter_cases() -> None:
-    from flashdsa.runtime.indexer.triton.interpreter import patch_interpreter
-
-    patch_interpreter()
     cpu = torch.device("cpu")
     for b, s_q, h_q, topk, context, splits, options in INTERPRETER_CASES:
         check_decode(*decode_inputs(b, s_q, h_q, topk, context, cpu, **options), num_splits=splits)
@@ -158,10 +155,7 @@ def run_interpreter_cases() -> None:
 
 
 def test_decode_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"seed {SEED}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    run_under_interpreter(__file__, SEED)
 
 
 def run_memcheck_case() -> None:
@@ -172,8 +166,5 @@ def run_memcheck_case() -> None:
     torch.cuda.synchronize()
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
-    torch.set_num_threads(2)
-    run_interpreter_cases()
-elif __name__ == "__main__" and sys.argv[1:] == ["--memcheck"]:
-    run_memcheck_case()
+if __name__ == "__main__":
+    kernel_test_main(run_interpreter_cases, run_memcheck_case)
