@@ -11,13 +11,12 @@ registers, spills and shared memory.
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, input_sets_for, median_ms, report, table
+from benchmarks.common import Row, cache_keys, compiled_stats, input_sets_for, median_ms, output_parser, report
 from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_fwd
 
 S_Q, H_Q, D_QK, D_V, TOPK = 4096, 128, 576, 512, 2048
@@ -97,17 +96,6 @@ def kernel_split(call) -> str:
         return ""
 
 
-def compiled_stats(jit_fn, before: set) -> str:
-    """Registers, spills and shared memory of the variants ``jit_fn`` compiled since ``before``."""
-    cache = next(iter(jit_fn.device_caches.values()))[0]
-    notes = []
-    for key in set(cache) - before:
-        k = cache[key]
-        notes.append(f"{k.n_regs} regs, {k.n_spills} spills, {k.metadata.shared // 1024} KiB smem, "
-                     f"{k.metadata.num_warps} warps, {k.metadata.num_stages} stages")
-    return "; ".join(notes)
-
-
 def deviation(got, ref) -> float:
     """Largest |got - ref| over the outputs, relative to the largest |ref| (a config must agree)."""
     return max(float((g.float() - r.float()).abs().max() / r.float().abs().max()) for g, r in zip(got, ref))
@@ -118,11 +106,6 @@ def describe(knobs: dict) -> str:
     if not knobs:
         return "default config"
     return f"N={knobs['block_n']} w={knobs['num_warps']} st={knobs['num_stages']}"
-
-
-def cache_keys(jit_fn) -> set:
-    caches = list(jit_fn.device_caches.values())
-    return set(caches[0][0]) if caches else set()
 
 
 def sweep(sets) -> tuple[list[Row], dict[str, dict]]:
@@ -144,7 +127,8 @@ def sweep(sets) -> tuple[list[Row], dict[str, dict]]:
                 log.warning("%s %s failed: %s", name, knobs, str(e).splitlines()[0][:200])
                 continue
             diff = deviation(calls(sets[:1], **knobs)[0](), calls(sets[:1])[0]())
-            note = f"N={block_n} w={warps} st={stages}: {compiled_stats(jit_fn, before)}; vs default {diff:.1e}"
+            stats = compiled_stats(jit_fn, before, launch=True)
+            note = f"N={block_n} w={warps} st={stages}: {stats}; vs default {diff:.1e}"
             rows.append(Row(name, shape, ms, tflops(flops, ms), "TFLOPS", floor, note))
             print(rows[-1])
             if name != "sweep bwd dkv kernel" and ms < best.get(name, (float("inf"),))[0]:
@@ -152,13 +136,12 @@ def sweep(sets) -> tuple[list[Row], dict[str, dict]]:
     return rows, {name.split()[1]: knobs for name, (_, knobs) in best.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", help="append the table to this Markdown file")
+def main(argv: list[str] | None = None) -> None:
+    parser = output_parser(__doc__)
     parser.add_argument("--sweep", action="store_true",
                         help="first time kernel configurations at 64K, then measure every row with the fastest")
     parser.add_argument("--s-kv", type=int, nargs="+", default=[8192, 65536, 131072])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
     rows, best = [], {}
@@ -183,10 +166,7 @@ def main() -> None:
             print(r)
         del sets
         torch.cuda.empty_cache()
-    if args.output:
-        report("Sparse MLA prefill attention (Triton)", rows, args.output)
-    else:
-        print(table(rows))
+    report("Sparse MLA prefill attention (Triton)", rows, args.output)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, median_ms, report, table
+from benchmarks.common import Row, cache_keys, compiled_stats, median_ms, output_parser, report
 from flashdsa.runtime.cache.triton import writes
 from flashdsa.runtime.indexer.triton import logits, topk
 from flashdsa.runtime.kernels.triton import sparse_decode
@@ -58,17 +57,6 @@ def fp8_bytes(shape, device) -> torch.Tensor:
 
 def block_table(batch: int, blocks: int, device) -> torch.Tensor:
     return torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
-
-
-def compiled_stats(jit_fn, before: set) -> str:
-    cache = next(iter(jit_fn.device_caches.values()))[0]
-    return "; ".join(f"{cache[k].n_regs} regs, {cache[k].n_spills} spills, {cache[k].metadata.shared // 1024} KiB smem"
-                     for k in set(cache) - before)
-
-
-def cache_keys(jit_fn) -> set:
-    caches = list(jit_fn.device_caches.values())
-    return set(caches[0][0]) if caches else set()
 
 
 def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
@@ -196,10 +184,8 @@ def bench_writes(device) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", help="append the table to this Markdown file")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = output_parser(__doc__).parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth(device)
@@ -214,10 +200,7 @@ def main() -> None:
         except Exception as e:  # one failing kernel must not hide the other figures
             log.exception("benchmark step failed: %s", e)
         torch.cuda.empty_cache()
-    if args.output:
-        report("Sparse decode, FP8 indexer, top-k, cache writes (Triton)", rows, args.output)
-    else:
-        print(table(rows))
+    report("Sparse decode, FP8 indexer, top-k, cache writes (Triton)", rows, args.output)
 
 
 if __name__ == "__main__":

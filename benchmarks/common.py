@@ -6,12 +6,13 @@ rotated through several sets so that repeated runs do not measure the L2 cache.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -79,8 +80,12 @@ def commit() -> str:
         return "unknown"
 
 
-def report(title: str, rows: Sequence[Row], output: str | os.PathLike) -> str:
-    """Print the table and append it, with device, date and commit, to ``output`` (Markdown)."""
+def report(title: str, rows: Sequence[Row], output: Optional[str | os.PathLike]) -> str:
+    """Without ``output``, print the table. With it, print the table under a heading with device,
+    date and commit, and append that section to ``output`` (Markdown). Returns what was printed."""
+    if not output:
+        print(table(rows))
+        return table(rows)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = f"\n## {title}\n\n{device}, {date}, commit {commit()}, torch {torch.__version__}\n\n{table(rows)}\n"
@@ -88,3 +93,30 @@ def report(title: str, rows: Sequence[Row], output: str | os.PathLike) -> str:
     with Path(output).open("a") as f:
         f.write(section)
     return section
+
+
+def output_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first line of a script's ``doc``, with its ``--output`` option."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--output", help="append the table to this Markdown file")
+    return parser
+
+
+def cache_keys(jit_fn) -> set:
+    """The variants a Triton ``jit_fn`` has compiled so far (on its first device)."""
+    caches = list(jit_fn.device_caches.values())
+    return set(caches[0][0]) if caches else set()
+
+
+def compiled_stats(jit_fn, before: set, launch: bool = False) -> str:
+    """Registers, spills and shared memory of the variants ``jit_fn`` compiled since ``before``
+    (a :func:`cache_keys` taken earlier); ``launch`` adds each variant's warps and stages."""
+    cache = next(iter(jit_fn.device_caches.values()))[0]
+    notes = []
+    for key in set(cache) - before:
+        k = cache[key]
+        note = f"{k.n_regs} regs, {k.n_spills} spills, {k.metadata.shared // 1024} KiB smem"
+        if launch:
+            note += f", {k.metadata.num_warps} warps, {k.metadata.num_stages} stages"
+        notes.append(note)
+    return "; ".join(notes)
