@@ -14,14 +14,18 @@ from pathlib import Path
 
 import torch
 
+from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.caches import MODES
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import BLOCK_SIZE
 
+DEFAULT_PROMPT = "ROMEO:"  # the default model is trained on Tiny Shakespeare
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory (HF layout)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="checkpoint directory (HF layout; default: the embedded Shakespeare model)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")

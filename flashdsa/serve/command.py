@@ -1,4 +1,4 @@
-"""``flashdsa serve --model DIR``: an OpenAI-compatible HTTP server over the engine."""
+"""``flashdsa serve [--model DIR]``: an OpenAI-compatible HTTP server over the engine."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.runtime.async_engine import AsyncLLM
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.serve.app import ServerState, build_app
@@ -33,7 +34,8 @@ def make_app(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL),
+                        help="checkpoint directory (HF layout; default: the embedded Shakespeare model)")
     parser.add_argument("--served-model-name", help="model id clients send (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -90,3 +90,10 @@ def test_generate_command_streams_text_and_ends_with_timings(shrunk, capsys):
 def test_generate_command_rejects_bad_arguments(shrunk, bad):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(shrunk), "--prompt", "x", "--device", "cpu", *bad])
+
+
+def test_generate_command_defaults_to_the_embedded_model(capsys):
+    assert main(["generate", "--max-tokens", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "".join(out[:-1]).strip(), out  # some text before the timings
+    assert re.fullmatch(r"\[prompt \d+ tokens, [\d.]+ tok/s \| generated 4 tokens, [\d.]+ tok/s\]", out[-1]), out[-1]
