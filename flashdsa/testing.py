@@ -36,6 +36,13 @@ def poison_like(t: torch.Tensor) -> torch.Tensor:
     return poisoned(t.shape, t.dtype, t.device)
 
 
+def flood_cuda_allocator_with_nan(device: torch.device, nbytes: int = 256 << 20) -> None:
+    """Leave NaN in the CUDA caching allocator's free blocks, so outputs a kernel allocates with
+    ``torch.empty`` start poisoned (an element it forgets to write fails as NaN); no-op off CUDA."""
+    if device.type == "cuda":
+        torch.full((nbytes // 4,), float("nan"), device=device)
+
+
 def cosine_distance(got: torch.Tensor, ref: torch.Tensor) -> float:
     """FlashMLA's ``1 - 2 <x, y> / (|x|^2 + |y|^2)`` in float64 (0 when both are zero)."""
     x, y = got.double().flatten(), ref.double().flatten()

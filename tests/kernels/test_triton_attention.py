@@ -24,6 +24,7 @@ from flashdsa.runtime.kernels import reference, sparse_mla_bwd, sparse_mla_fwd
 from flashdsa.testing import (
     assert_flashmla_close,
     assert_lse_close,
+    flood_cuda_allocator_with_nan,
     kernel_test_main,
     random_sparse_inputs,
     run_under_interpreter,
@@ -31,20 +32,12 @@ from flashdsa.testing import (
 
 D_V = 512
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
-POISON_BYTES = 256 << 20
-
-
-def poison_allocator(device: torch.device) -> None:
-    """Leave NaN in the CUDA caching allocator's free blocks, so outputs the kernels allocate
-    with ``torch.empty`` start poisoned (an element they forget to write fails as NaN)."""
-    if device.type == "cuda":
-        torch.full((POISON_BYTES // 4,), float("nan"), device=device)
 
 
 def check_fwd(q, kv, indices, sm_scale=None, out_abs_tol=1e-3):
     """Triton forward vs the reference on fp32 copies of the same inputs (FlashMLA tolerances)."""
     sm_scale = sm_scale or q.shape[-1] ** -0.5
-    poison_allocator(q.device)
+    flood_cuda_allocator_with_nan(q.device)
     out, max_logits, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
     ref = reference.sparse_mla_fwd(q.float(), kv.float(), indices, sm_scale, D_V)
     assert out.dtype == q.dtype and max_logits.dtype == lse.dtype == torch.float32
@@ -64,7 +57,7 @@ def check_bwd(q, kv, indices, deterministic=False):
     sm_scale = q.shape[-1] ** -0.5
     out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
     dout = torch.randn_like(out)
-    poison_allocator(q.device)
+    flood_cuda_allocator_with_nan(q.device)
     dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, D_V,
                              deterministic=deterministic, backend="triton")
     ref_dq, ref_dkv = reference.sparse_mla_bwd(q.float(), kv.float(), out.float(), dout.float(), lse, indices,

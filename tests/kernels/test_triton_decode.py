@@ -21,6 +21,7 @@ from flashdsa.runtime.kernels.triton import sparse_decode
 from flashdsa.testing import (
     assert_flashmla_close,
     assert_lse_close,
+    flood_cuda_allocator_with_nan,
     kernel_test_main,
     random_block_table,
     random_indices,
@@ -30,12 +31,6 @@ from flashdsa.testing import (
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 SM_SCALE = D_QK**-0.5
-
-
-def flood_with_nan(device: torch.device) -> None:
-    """Leave NaN in the CUDA caching allocator's free memory, so kernel outputs start poisoned."""
-    if device.type == "cuda":
-        torch.full((64 << 20,), float("nan"), device=device)
 
 
 def decode_inputs(b, s_q, h_q, topk, context, device, scale=0.1, **options):
@@ -58,7 +53,7 @@ def decode_inputs(b, s_q, h_q, topk, context, device, scale=0.1, **options):
 def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3, config=None):
     """Kernel vs the reference (fp32 q) with FlashMLA's tolerances; returns (out, lse).
     ``num_splits`` / ``config`` call the backend directly with a forced split count / launch."""
-    flood_with_nan(q.device)
+    flood_cuda_allocator_with_nan(q.device)
     if num_splits is None and config is None:
         out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="triton")
     else:
