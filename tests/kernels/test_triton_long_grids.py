@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashdsa.runtime.kernels import reference, sparse_mla_bwd, sparse_mla_decode, sparse_mla_fwd
-from flashdsa.testing import assert_flashmla_close, assert_lse_close, poisoned, random_mla_cache, random_sparse_inputs
+from flashdsa.testing import assert_flashmla_close, assert_lse_close, flood_cuda_allocator_with_nan, random_mla_cache, random_sparse_inputs
 
 S_Q = 70_000
 
@@ -17,7 +17,7 @@ def test_fwd_and_bwd_cover_70000_query_rows():
     q, kv, idx = random_sparse_inputs(S_Q, 4096, 16, 576, 64, device="cuda", invalid=0.05)
     q, kv = q * 0.1, kv * 0.1  # FlashMLA's test scale, where its tolerances apply
     scale = 576 ** -0.5
-    poisoned((64 << 20,), torch.float32, "cuda")  # freed NaN blocks: outputs allocated next start poisoned
+    flood_cuda_allocator_with_nan(torch.device("cuda"))  # outputs allocated next start as NaN
     out, max_logits, lse = sparse_mla_fwd(q, kv, idx, scale, backend="triton")
     ref = reference.sparse_mla_fwd(q.float(), kv.float(), idx, scale)
     assert_flashmla_close("out", out, ref[0])
@@ -33,7 +33,7 @@ def test_fwd_and_bwd_cover_70000_query_rows():
 @pytest.mark.gpu
 def test_decode_covers_70000_query_rows():
     cache = random_mla_cache(64, device="cuda")
-    poisoned((64 << 20,), torch.float32, "cuda")
+    flood_cuda_allocator_with_nan(torch.device("cuda"))
     q = (torch.randn(S_Q // 2, 2, 16, 576, device="cuda") * 0.1).bfloat16()
     slots = torch.randint(-1, 64 * 64, (S_Q // 2, 2, 64), device="cuda", dtype=torch.int32)
     out, lse = sparse_mla_decode(q, cache, slots, 576 ** -0.5, backend="triton")
