@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from flashdsa.runtime.kernels import reference, sparse_mla_bwd, sparse_mla_decode, sparse_mla_fwd
-from flashdsa.testing import assert_flashmla_close, assert_lse_close, flood_cuda_allocator_with_nan, random_mla_cache, random_sparse_inputs
+from flashdsa.testing import (
+    assert_flashmla_close, assert_lse_close, flood_cuda_allocator_with_nan, random_mla_cache, random_sparse_inputs,
+)
 
 S_Q = 70_000
 
