@@ -112,3 +112,22 @@ def test_cache_bytes_per_block_counts_both_caches_over_all_layers(full_width, sh
     assert reference.cache_bytes_per_block() == 2 * 64 * 4 * (48 + 32)
     caches = reference.allocate_caches(5)
     assert len(caches.mla) == 2 and caches.mla[0].shape == (5, 64, 1, 48) and caches.indexer[0].shape == (5, 64, 1, 32)
+
+
+@pytest.mark.parametrize("checkpoint, mode", [("shrunk", "reference"), ("full_width", "production")])
+def test_a_step_reads_only_the_blocks_of_its_sequences(request, random_ids, checkpoint, mode):
+    """Every block outside the step's context is poisoned (NaN keys and scales): the logits equal
+    those of a run in a clean pool, block placement aside."""
+    model = load_model(request.getfixturevalue(checkpoint), mode=mode)
+    ids = random_ids(102)
+    outs = []
+    scattered = torch.tensor([[6, 2]], dtype=torch.int32)
+    for table, poison in ((contiguous_block_tables([102]), False), (scattered, True)):
+        caches = model.allocate_caches(8)
+        for pool in caches.mla + caches.indexer if poison else []:
+            pool.fill_(255 if pool.dtype == torch.uint8 else float("nan"))  # 0xff bytes: e4m3 and fp32 NaN
+        steps = [_run(model, ids[:100], [0], [100], table, caches)]
+        steps += [_run(model, ids[p : p + 1], [p], [1], table, caches) for p in (100, 101)]
+        outs.append(torch.cat(steps))
+    assert outs[1].isfinite().all()
+    assert torch.equal(outs[0], outs[1])

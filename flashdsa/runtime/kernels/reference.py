@@ -4,8 +4,9 @@ Runs on any device in fp32 (fp64 when the inputs are fp64, so gradients can be c
 precision). Query rows are processed in chunks sized from ``MEMORY_BUDGET``, so a 4096-token
 prefill with topk 2048 and 128 heads never holds more than a few hundred MiB of intermediates.
 An index outside ``[0, n_kv)`` is masked: it is clamped to row 0 before the gather (so nothing is
-read out of bounds) and its score is -inf. The public, validated entry points live in
-``flashdsa.runtime.kernels``; these functions trust their inputs.
+read out of bounds), its key is zeroed (whatever row 0 holds, NaN included, cannot leak into out
+or the gradients through a zero weight) and its score is -inf. The public, validated entry
+points live in ``flashdsa.runtime.kernels``; these functions trust their inputs.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _gather_keys(
     idx = idx.long()
     valid = (idx >= 0) & (idx < n_kv)
     safe = torch.where(valid, idx, 0)
-    return valid, safe, to_keys(_nonempty(table)[safe])
+    keys = to_keys(_nonempty(table)[safe]).masked_fill(~valid[..., None], 0)  # row 0 may hold anything (NaN)
+    return valid, safe, keys
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sm_scale: float) -> torch.Tensor:
