@@ -1,7 +1,9 @@
 """``flashdsa generate``: one prompt through the serving engine, its text streamed to stdout.
 
 The request runs exactly as a served one does (scheduler, paged caches, batched sampler,
-incremental detokenizer), with a cache sized for this one request.
+incremental detokenizer), with a cache sized for this one request. Sampling defaults to
+temperature 0.8 among the 40 best tokens with seed 0 (reproducible): greedy decoding of the
+small default model loops on one phrase; ``--temperature 0`` gives greedy.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (default 0: off)")
+    parser.add_argument("--top-k", type=int, default=40, help="sample among the k best tokens (default 40; 0: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--mode", choices=MODES, default="production", help="precision mode (default production)")
