@@ -178,7 +178,7 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory()
         args.model, args.mode = str(make_tiny_checkpoint(tmp.name, shrink=True)), "reference"
-        # the reference attention reads the whole pool: size it to the load
+        # a small pool keeps the CPU run light; the default (1024 blocks) is sized for long prompts
         args.num_blocks = args.num_blocks or 2 * max(args.concurrency) + 16
     try:
         if url is None:

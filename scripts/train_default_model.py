@@ -97,16 +97,19 @@ def held_out_losses(model_dir: Path, eval_tokens: torch.Tensor, seq_len: int, de
 
 def sample(model_dir: Path, device: torch.device, max_tokens: int = 200) -> str:
     """Text generated from SAMPLE_PROMPT by the inference path (production mode on CUDA: FP8 caches)."""
-    from flashdsa.generate import generate_ids, sample as pick
+    from flashdsa.generate import single_request_engine, stream_request
     from flashdsa.models.loader import load_model
+    from flashdsa.runtime.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     mode = "production" if device.type == "cuda" else "reference"
     model = load_model(model_dir, device=device, mode=mode)
-    generator = torch.Generator().manual_seed(0)
-    ids, _, _ = generate_ids(model, tokenizer(SAMPLE_PROMPT)["input_ids"], max_tokens,
-                             lambda logits: pick(logits, 0.8, 1.0, 40, generator), stop={tokenizer.eos_token_id})
-    return SAMPLE_PROMPT + tokenizer.decode(ids)
+    prompt = tokenizer(SAMPLE_PROMPT)["input_ids"]
+    engine = single_request_engine(model, tokenizer, len(prompt) + max_tokens)
+    pieces: list[str] = []
+    params = SamplingParams(temperature=0.8, top_k=40, seed=0, max_tokens=max_tokens)
+    stream_request(engine, prompt, params, pieces.append)
+    return SAMPLE_PROMPT + "".join(pieces)
 
 
 def main() -> None:
