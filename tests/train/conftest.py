@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.train.checkpoint import save_model
 from flashdsa.train.init import initialize
 from flashdsa.train.tokenizer import train_bpe_tokenizer
+from train_configs import tiny_config
 
 WORDS = "the a king queen lord speak hear my good sir thou art not what is love night day come go".split()
 
@@ -25,17 +25,6 @@ def synthetic_text(lines: int = 400, seed: int = 0) -> str:
         words = [rng.choice(WORDS) for _ in range(rng.randint(3, 9))]
         out.append(f"{speaker}:\n{' '.join(words).capitalize()}.\n")
     return "\n".join(out)
-
-
-def tiny_config(vocab_size: int, index_topk: int = 8) -> DeepseekV32Config:
-    """Two layers (one dense MLP, one MoE), every width small; topk below the test sequence length."""
-    return DeepseekV32Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8,
-        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=1, index_n_heads=4, index_head_dim=16, index_topk=index_topk,
-        max_position_embeddings=256, eos_token_id=1,
-    )
 
 
 @pytest.fixture(autouse=True)

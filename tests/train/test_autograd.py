@@ -10,7 +10,7 @@ from flashdsa.train import forward as training
 from flashdsa.train.autograd import sparse_mla_attention
 from flashdsa.train.init import initialize
 
-from conftest import tiny_config
+from train_configs import tiny_config
 
 
 def dense_masked_attention(q, kv, indices, sm_scale, d_v=512, backend=None):

@@ -9,7 +9,7 @@ from flashdsa.train import indexer as train_indexer
 from flashdsa.train.indexer import causal_scores, causal_topk, indexer_inputs, select_topk, selected_scores
 from flashdsa.train.init import initialize
 
-from conftest import tiny_config
+from train_configs import tiny_config
 
 
 def inputs_of_a_tiny_model(batch: int = 2, length: int = 13):

@@ -12,7 +12,7 @@ from flashdsa.train.indexer import causal_topk
 from flashdsa.train.init import initialize
 from flashdsa.train.loop import TrainConfig, compute_losses, make_optimizer, set_trainable
 
-from conftest import tiny_config
+from train_configs import tiny_config
 
 VOCAB, LENGTH = 60, 16
 
