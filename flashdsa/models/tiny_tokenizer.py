@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Iterable
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -44,17 +46,24 @@ selects, attends and samples the next token. Tests compare every layer against t
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def byte_level_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE (every byte string encodable, lossless decoding) trained on ``texts``;
+    ``special_tokens`` take ids 0, 1, ... in order."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(TRAINING_TEXT.splitlines(), trainer)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    tok = byte_level_bpe(TRAINING_TEXT.splitlines(), vocab_size, SPECIAL_TOKENS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 0)])
     return tok
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from flashdsa.models.tiny_tokenizer import byte_level_bpe
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
@@ -21,16 +21,7 @@ CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfo
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir: str | Path) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``; write tokenizer files to ``output_dir``."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer = byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(output_dir / "tokenizer.json"))
