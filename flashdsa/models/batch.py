@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.runtime.cache.allocator import slot_mapping
 from flashdsa.runtime.cache.layout import BLOCK_SIZE
 from flashdsa.runtime.metadata import BatchMetadata
 
@@ -34,16 +33,7 @@ def step_metadata(
     """Metadata for one forward that appends ``new_tokens[b]`` tokens after ``cached[b]`` ones.
 
     Logits come for each sequence's last token, or for every token with ``all_logits``."""
-    positions = [torch.arange(c, c + n) for c, n in zip(cached, new_tokens)]
-    slots = [slot_mapping(block_tables[b], p) for b, p in enumerate(positions)]
-    starts = torch.tensor([0, *new_tokens]).cumsum(0)
-    meta = BatchMetadata(
-        positions=torch.cat(positions),
-        seq_ids=torch.repeat_interleave(torch.arange(len(new_tokens)), torch.tensor(new_tokens)),
-        query_start_loc=starts.to(torch.int32),
-        context_lens=torch.tensor([c + n for c, n in zip(cached, new_tokens)], dtype=torch.int32),
-        slot_mapping=torch.cat(slots),
-        block_tables=block_tables.to(torch.int32),
-        logits_indices=torch.arange(int(starts[-1])) if all_logits else starts[1:] - 1,
-    )
-    return meta.to(torch.device(device))
+    total = sum(new_tokens)
+    last = torch.tensor(new_tokens).cumsum(0) - 1
+    logits_indices = torch.arange(total) if all_logits else last
+    return BatchMetadata.for_step(cached, new_tokens, block_tables, logits_indices).to(torch.device(device))

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdsa.runtime.cache.layout import BLOCK_SIZE
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.runtime.scheduler import ScheduledChunk
 
@@ -41,24 +40,10 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
         elif chunk.samples:
             logits_indices.append(len(ids) - 1)
         num_rows.append(len(logits_indices) - row_start[-1])
-    counts = torch.tensor([c.num_tokens for c in chunks])
-    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    query_start_loc[1:] = counts.cumsum(0)
-    seq_ids = torch.repeat_interleave(torch.arange(len(chunks)), counts)
-    offsets = torch.tensor([c.start for c in chunks]) - query_start_loc[:-1]
-    positions = torch.arange(len(ids)) + offsets[seq_ids]
     width = max(len(c.seq.block_table) for c in chunks)
     tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks], dtype=torch.int32)
-    slots = tables[seq_ids, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-    meta = BatchMetadata(
-        positions=positions,
-        seq_ids=seq_ids,
-        query_start_loc=query_start_loc,
-        context_lens=(torch.tensor([c.start for c in chunks]) + counts).int(),
-        slot_mapping=slots,
-        block_tables=tables,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-    )
+    meta = BatchMetadata.for_step([c.start for c in chunks], [c.num_tokens for c in chunks], tables,
+                                  torch.tensor(logits_indices, dtype=torch.int64))
     return torch.tensor(ids, dtype=torch.int64), meta, row_start, num_rows
 
 
