@@ -67,14 +67,21 @@ class Indexer(nn.Module):
         """x: [T, hidden], q_resid: [T, q_lora_rank] -> selected positions [T, index_topk] int32 (-1 pad).
 
         Writes this step's keys into ``pool`` (the layer's indexer cache) first."""
-        num_tokens = x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(num_tokens, self.n_heads, self.head_dim), cos_sin)  # [T, H_I, D]
-        k = self._rope(self.k_norm(self.wk(x)), cos_sin)  # [T, D]
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5  # [T, H_I]
+        q, k, w = self.project(x, q_resid, cos_sin)
         store_index_key(pool, k, meta.slot_mapping)
         if pool.dtype == torch.uint8:
             return self._fp8_select(q, w, meta, pool)
         return self.topk(self._exact_logits(q, w, meta, pool))  # [T, topk]
+
+    def project(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[T, H_I, D]``, keys ``[T, D]`` (both RoPE'd) and head weights ``[T, H_I]`` fp32
+        (``H_I^-0.5`` folded in) of x: [T, hidden], q_resid: [T, q_lora_rank]; shared with training."""
+        q = self._rope(self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim), cos_sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos_sin)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return q, k, w
 
     def _rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)

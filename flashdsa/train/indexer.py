@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashdsa.models.rope import rope_rotate_half
 
 SELECT_CHUNK = 1024  # queries scored at once when selecting the top-k
 
@@ -38,15 +37,9 @@ class IndexerInputs:
 
 def indexer_inputs(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos_sin, batch: int) -> IndexerInputs:
     """Project x: [T, hidden] and q_resid: [T, q_lora_rank] (T = batch * L) with the model's indexer."""
-    heads, dim, rope_dim = indexer.n_heads, indexer.head_dim, indexer.rope_dim
-
-    def rope(t: torch.Tensor) -> torch.Tensor:  # rotate-half on the first rope_dim dims
-        rot, rest = t.split([rope_dim, dim - rope_dim], dim=-1)
-        return torch.cat([rope_rotate_half(rot, *cos_sin), rest], dim=-1)
-
-    q = rope(indexer.wq_b(q_resid).view(x.shape[0], heads, dim)).float()
-    k = rope(indexer.k_norm(indexer.wk(x))).float()
-    w = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
+    q, k, w = indexer.project(x, q_resid, cos_sin)
+    heads, dim = indexer.n_heads, indexer.head_dim
+    q, k = q.float(), k.float()
     return IndexerInputs(q.view(batch, -1, heads, dim), k.view(batch, -1, dim), w.view(batch, -1, heads))
 
 
