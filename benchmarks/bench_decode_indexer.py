@@ -39,6 +39,9 @@ PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads o
     (128, 8, 8, 3, True), (256, 4, 8, 2, True),
 ]
 PREFILL_Q, PREFILL_KEYS = 4096, 65536
+TOPK_CONFIGS = [  # (columns per program of the histogram/collect passes, None: ~16 programs per SM; warps; block)
+    (None, 8, 2048), (None, 4, 1024), (2048, 4, 1024), (4096, 8, 2048), (16384, 8, 2048),
+]
 
 
 def copy_bandwidth(device) -> float:
@@ -156,11 +159,19 @@ def bench_topk(device) -> list[Row]:
     ends = torch.full_like(starts, 131072)
     ms_torch = median_ms([lambda x=x: torch.topk(x, TOPK, dim=-1) for x in sets])
     rows = []
-    for warps in (4, 8):
-        ms = median_ms([lambda x=x: topk.indexer_topk(x, TOPK, starts, ends, num_warps=warps) for x in sets])
+    for split, warps, block in TOPK_CONFIGS:
+        knobs = dict(split=split, num_warps=warps, block=block)
+        ms = median_ms([lambda x=x: topk.indexer_topk(x, TOPK, starts, ends, **knobs) for x in sets])
         rows.append(Row("indexer_topk triton", f"128 rows x 128K, topk={TOPK}", ms, ms_torch / ms, "x torch.topk", 3.0,
-                        f"torch.topk {ms_torch:.3f} ms; w={warps}"))
+                        f"torch.topk {ms_torch:.3f} ms; split={split or 'auto'} w={warps} block={block}"))
         print(rows[-1])
+    graph = torch.cuda.CUDAGraph()  # the same launches replayed: device time without Python launch overhead
+    with torch.cuda.graph(graph):
+        topk.indexer_topk(sets[0], TOPK, starts, ends)
+    ms = median_ms([graph.replay])
+    rows.append(Row("indexer_topk triton, CUDA graph", f"128 rows x 128K, topk={TOPK}", ms, ms_torch / ms,
+                    "x torch.topk", 3.0, f"torch.topk {ms_torch:.3f} ms; default launch, replayed"))
+    print(rows[-1])
     return rows
 
 

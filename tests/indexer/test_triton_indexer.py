@@ -103,9 +103,18 @@ def check_paged(q, weights, pool, lens, table, width, **knobs):
     return got
 
 
-def check_topk(logits, topk, starts=None, ends=None):
-    got = indexer_topk(logits, topk, starts, ends, backend="triton")
+def check_topk(logits, topk, starts=None, ends=None, **knobs):
+    """Public op (or, with launch ``knobs`` such as columns per program, the backend) vs the reference."""
     ref = indexer_topk(logits, topk, starts, ends, backend="reference")
+    if knobs:
+        from flashdsa.runtime.indexer.triton import topk as kernels
+
+        rows, length = logits.shape
+        starts = torch.zeros(rows, dtype=torch.int32, device=logits.device) if starts is None else starts
+        ends = torch.full((rows,), length, dtype=torch.int32, device=logits.device) if ends is None else ends
+        got = kernels.indexer_topk(logits, topk, starts, ends, **knobs)
+    else:
+        got = indexer_topk(logits, topk, starts, ends, backend="triton")
     assert got.dtype == torch.int32 and got.shape == ref.shape
     assert torch.equal(got, ref), f"seed {SEED}: {int((got != ref).sum())} positions differ"
 
@@ -172,6 +181,16 @@ def test_topk_matches_reference_on_same_logits(rows, length, topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split, num_warps, block", [(2048, 4, 1024), (16384, 8, 2048), (4096, 8, 512)])
+def test_topk_launch_variants_match_reference(split, num_warps, block):
+    """Columns per program and warps; one row packed in a narrow band, so every key is a candidate."""
+    g = generator(split, num_warps, block)
+    logits = tricky_logits(8, 40000, cuda, g)
+    logits[5] = 1.0 + torch.randint(0, 50, (40000,), generator=g).float().to(cuda) * 2**-20
+    check_topk(logits, 2048, split=split, num_warps=num_warps, block=block)
+
+
+@pytest.mark.gpu
 def test_topk_of_rows_with_nothing_finite_is_all_minus_one():
     logits = torch.full((3, 500), float("-inf"), device=cuda)
     logits[1] = float("nan")
@@ -214,6 +233,7 @@ def run_interpreter_cases() -> None:
     check_topk(logits, 64)
     check_topk(logits, 32, torch.tensor([0, 100, 7, 1500], dtype=torch.int32),
                torch.tensor([1500, 120, 1499, 1500], dtype=torch.int32))
+    check_topk(logits, 48, split=256, block=128)  # many programs per row share the lists
 
 
 def test_indexer_under_interpreter():

@@ -1,20 +1,27 @@
-"""Indexer top-k in Triton: radix select of a threshold, then a sort of the few selected.
+"""Indexer top-k in Triton: a radix select of the threshold split over many programs per row,
+then one program per row that finishes the selection among a few candidates and sorts it.
 
-One program per row. Scores map to order-preserving 32-bit keys. Pass 1 histograms the top 8
-bits over the row's range; pass 2 writes the columns of every key in a higher bin to the
-selected list and, in column order, those in the threshold bin to a candidate list. Three more
-8-bit histogram passes over the candidates only (usually a few percent of the row) find the exact
-key of the k-th largest; the candidates above it, and as many equal to it as still needed in
-column order (ties to the lower position), join the selected list, which is then sorted by
-key descending, position ascending, in registers. The row is read twice; nothing sorts it.
+Scores map to order-preserving 32-bit keys. A row is cut into splits of ``split`` columns, one
+program each (so 128 rows of 128K keep the whole GPU busy):
+1. every split histograms the top byte of its keys into the row's 256 bins (atomics);
+2. every split reads the bin that holds the k-th largest key and histograms the second byte of the
+   keys inside it;
+3. every split appends the columns whose top 16 bits lie above the threshold's to the row's
+   selected list, and those with equal top 16 bits to its candidate list (usually a few dozen).
+4. One program per row runs six 8-bit radix passes over the candidates on the 64-bit key
+   ``(order key, ~column)``, unique per candidate, so exactly the needed ones are taken with ties
+   to the lower column; the selected list is then sorted by key descending, position ascending,
+   in registers. The row is read three times; nothing sorts it.
 
 The fused score + top-k walks the keys ``chunk`` at a time: the ragged logits kernel writes a
-chunk's scores next to the running top-k (values and positions), and the same top-k kernel
-selects from both, so no whole logits row is ever held. Its memory is ``O(rows * (topk + chunk))``
-with rows processed in groups that bound it.
+chunk's scores next to the running top-k (values and positions), and the same passes select from
+both, so no whole logits row is ever held. Its memory is ``O(rows * (topk + chunk))`` with rows
+processed in groups that bound it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -25,6 +32,8 @@ from flashdsa.runtime.indexer.triton.logits import ragged_logits_into
 BLOCK = 2048  # scores per step of a pass
 MAX_TOPK = 8192  # the selected pairs are sorted in registers
 SCRATCH_BYTES = 256 << 20  # candidate lists (and fused scores) of the rows one launch handles
+# per-row scratch (int32): two 256-bin histograms, then the selected and candidate counts
+SECOND_BINS, SELECTED_COUNT, CANDIDATE_COUNT, SCRATCH_COLS = 256, 512, 513, 514
 
 
 @triton.jit
@@ -44,91 +53,157 @@ def _from_order_key(key):
 
 
 @triton.jit
-def _keys_at(row_ptr, list_ptr, i, lo, hi, FROM_LIST: tl.constexpr):
-    """(columns, order keys, usable) of entries ``i`` in [lo, hi): row columns ``i`` themselves,
-    or the columns listed at ``list_ptr[i]``. Usable: in range and a finite score (NaN and
+def _load_keys(row_ptr, cols, inside):
+    """Order keys of ``row_ptr[cols]`` and which are usable: inside and a finite score (NaN and
     +-inf are never selected)."""
-    inside = (i >= lo) & (i < hi)
-    if FROM_LIST:
-        cols = tl.load(list_ptr + i, mask=inside, other=0)
-    else:
-        cols = i
     x = tl.load(row_ptr + cols, mask=inside, other=float("-inf"))
-    return cols, _order_key(x), inside & (tl.abs(x) < float("inf"))
+    return _order_key(x), inside & (tl.abs(x) < float("inf"))
 
 
 @triton.jit
-def _radix_pass(row_ptr, list_ptr, lo, hi, prefix, need, SHIFT: tl.constexpr, FROM_LIST: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """Histogram the 8-bit digit at ``SHIFT`` of the keys whose higher bits equal ``prefix``'s.
-    Returns ``prefix`` with the digit of the need-th largest set, how many matched keys lie in
-    higher digits, and ``need`` capped at the number matched."""
-    TOP: tl.constexpr = SHIFT + 8
-    hist = tl.zeros([256], tl.int32)
-    for c in range(lo, hi, BLOCK):
-        _, key, ok = _keys_at(row_ptr, list_ptr, c + tl.arange(0, BLOCK), lo, hi, FROM_LIST)
-        if TOP < 32:
-            ok = ok & ((key >> TOP) == (prefix >> TOP))
-        hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=ok)
+def _pick_digit(hist, need):
+    """The bin of a 256-bin histogram that holds the need-th largest entry, how many entries lie
+    in higher bins, and ``need`` capped at the number of entries."""
     need = tl.minimum(need, tl.sum(hist, 0))
     at_or_above = tl.cumsum(hist, 0, reverse=True)
     bins = tl.arange(0, 256)
     digit = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
-    above = tl.sum(tl.where(bins > digit, hist, 0), 0)
-    return prefix | (digit.to(tl.uint32) << SHIFT), above, need
+    return digit, tl.sum(tl.where(bins > digit, hist, 0), 0), need
 
 
 @triton.jit
-def _append(list_ptr, count, cols, take):
-    """Store ``cols[take]`` at ``list_ptr[count:]`` in order; return the new count."""
-    flags = take.to(tl.int32)
-    tl.store(list_ptr + count + tl.cumsum(flags, 0) - flags, cols, mask=take)
-    return count + tl.sum(flags, 0)
+def _threshold_top(scratch_ptr, topk, BOTH_BYTES: tl.constexpr):
+    """The top byte (or top 16 bits) of the k-th largest key from the row's histograms, and how
+    many keys to take at that prefix (``topk`` less those above it, capped by what exists)."""
+    bins = tl.arange(0, 256)
+    digit, above, need = _pick_digit(tl.load(scratch_ptr + bins), topk)
+    prefix = digit.to(tl.uint32)
+    need -= above
+    if BOTH_BYTES:
+        digit, above, need = _pick_digit(tl.load(scratch_ptr + SECOND_BINS + bins), need)
+        prefix = (prefix << 8) | digit.to(tl.uint32)
+        need -= above
+    return prefix, need
 
 
 @triton.jit
-def _topk_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, prefix_pos_ptr, stride_p,
-                 prefix_len, pos_base, sel_ptr, cand_ptr, stride_cand, out_idx_ptr, stride_o,
-                 out_val_ptr, stride_ov, topk,
-                 RANGES: tl.constexpr, PREFIX: tl.constexpr, VALUES: tl.constexpr,
-                 K_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = vals_ptr + row * stride_v
-    sel_ptr += row * K_PAD
-    cand_ptr += row * stride_cand
+def _split_span(starts_ptr, ends_ptr, col_lo, col_hi, row, split, RANGES: tl.constexpr, SPLIT: tl.constexpr):
+    """Columns [lo, hi) of this program: the row's range cut to split ``split``."""
     if RANGES:
         lo = tl.load(starts_ptr + row)
         hi = tl.load(ends_ptr + row)
     else:
         lo = col_lo
         hi = col_hi
-    # pass 1: the top byte of the threshold; pass 2: split the row into selected and candidates
-    threshold, above, need = _radix_pass(row_ptr, cand_ptr, lo, hi, tl.full([], 0, tl.uint32), topk, 24,
-                                         False, BLOCK)
-    need -= above
-    num_sel = 0
-    num_cand = 0
+    first = split * SPLIT
+    return tl.maximum(lo, first), tl.minimum(hi, first + SPLIT)
+
+
+@triton.jit
+def _histogram_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, scratch_ptr, topk,
+                      SECOND: tl.constexpr, RANGES: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Passes 1 and 2 over one split: the top byte of every usable key, or (SECOND) the second byte
+    of the keys whose top byte is the threshold's, added into the row's histogram."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi = _split_span(starts_ptr, ends_ptr, col_lo, col_hi, row, tl.program_id(1), RANGES, SPLIT)
+    row_ptr = vals_ptr + row * stride_v
+    scratch_ptr += row * SCRATCH_COLS
+    hist_ptr = scratch_ptr
+    if SECOND:
+        top, _ = _threshold_top(scratch_ptr, topk, False)
+        hist_ptr += SECOND_BINS
+    hist = tl.zeros([256], tl.int32)
     for c in range(lo, hi, BLOCK):
-        cols, key, ok = _keys_at(row_ptr, cand_ptr, c + tl.arange(0, BLOCK), lo, hi, False)
-        num_sel = _append(sel_ptr, num_sel, cols, ok & ((key >> 24) > (threshold >> 24)))
-        num_cand = _append(cand_ptr, num_cand, cols, ok & ((key >> 24) == (threshold >> 24)))
-    tl.debug_barrier()  # the lists written above are read back by other threads of this program
-    # the other three bytes of the threshold, over the candidates only
-    threshold, above, need = _radix_pass(row_ptr, cand_ptr, 0, num_cand, threshold, need, 16, True, BLOCK)
-    need -= above
-    threshold, above, need = _radix_pass(row_ptr, cand_ptr, 0, num_cand, threshold, need, 8, True, BLOCK)
-    need -= above
-    threshold, above, need = _radix_pass(row_ptr, cand_ptr, 0, num_cand, threshold, need, 0, True, BLOCK)
-    need -= above
-    # candidates above the threshold, and the first `need` equal to it (in column order)
-    taken_eq = 0
+        cols = c + tl.arange(0, BLOCK)
+        key, ok = _load_keys(row_ptr, cols, cols < hi)
+        if SECOND:
+            ok = ok & ((key >> 24) == top)
+            digit = (key >> 16) & 255
+        else:
+            digit = key >> 24
+        hist += tl.histogram(digit.to(tl.int32), 256, mask=ok)
+    tl.atomic_add(hist_ptr + tl.arange(0, 256), hist, mask=hist > 0)
+
+
+@triton.jit
+def _append(list_ptr, count_ptr, cols, take):
+    """Store ``cols[take]`` at the end of a list that several programs share; its length lives at
+    ``count_ptr`` and is advanced atomically."""
+    flags = take.to(tl.int32)
+    n = tl.sum(flags, 0)
+    start = tl.atomic_add(count_ptr, n, mask=n > 0)
+    tl.store(list_ptr + start + tl.cumsum(flags, 0) - flags, cols, mask=take)
+
+
+@triton.jit
+def _collect_kernel(vals_ptr, stride_v, starts_ptr, ends_ptr, col_lo, col_hi, scratch_ptr, topk,
+                    sel_ptr, cand_ptr, stride_cand,
+                    RANGES: tl.constexpr, SPLIT: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 3 over one split: columns above the threshold's top 16 bits join the selected list,
+    those level with them the candidate list."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi = _split_span(starts_ptr, ends_ptr, col_lo, col_hi, row, tl.program_id(1), RANGES, SPLIT)
+    row_ptr = vals_ptr + row * stride_v
+    scratch_ptr += row * SCRATCH_COLS
+    top, _ = _threshold_top(scratch_ptr, topk, True)
+    for c in range(lo, hi, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        key, ok = _load_keys(row_ptr, cols, cols < hi)
+        _append(sel_ptr + row * K_PAD, scratch_ptr + SELECTED_COUNT, cols, ok & ((key >> 16) > top))
+        _append(cand_ptr + row * stride_cand, scratch_ptr + CANDIDATE_COUNT, cols, ok & ((key >> 16) == top))
+
+
+@triton.jit
+def _candidates(row_ptr, cand_ptr, i, num_cand):
+    """Columns of candidates ``i`` and their 64-bit keys (order key, then ~column: ties to the
+    lower column), and which ``i`` exist."""
+    inside = i < num_cand
+    cols = tl.load(cand_ptr + i, mask=inside, other=0)
+    key, ok = _load_keys(row_ptr, cols, inside)
+    low = tl.full([], 0xFFFFFFFF, tl.uint32)
+    return cols, (key.to(tl.uint64) << 32) | (low - cols.to(tl.uint32)).to(tl.uint64), ok
+
+
+@triton.jit
+def _candidate_pass(row_ptr, cand_ptr, num_cand, prefix, need, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """One radix pass over the candidates: the 8-bit digit at ``SHIFT`` of the need-th largest
+    64-bit key among those matching ``prefix`` above it. Returns the extended prefix and how many
+    to take at it."""
+    hist = tl.zeros([256], tl.int32)
     for c in range(0, num_cand, BLOCK):
-        cols, key, ok = _keys_at(row_ptr, cand_ptr, c + tl.arange(0, BLOCK), 0, num_cand, True)
-        eq = ok & (key == threshold)
-        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        num_sel = _append(sel_ptr, num_sel, cols, (ok & (key > threshold)) | (eq & (eq_rank < need)))
-        taken_eq += tl.sum(eq.to(tl.int32), 0)
-    tl.debug_barrier()
+        _, wide, ok = _candidates(row_ptr, cand_ptr, c + tl.arange(0, BLOCK), num_cand)
+        ok = ok & ((wide >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram(((wide >> SHIFT) & 255).to(tl.int32), 256, mask=ok)
+    digit, above, need = _pick_digit(hist, need)
+    return prefix | (digit.to(tl.uint64) << SHIFT), need - above
+
+
+@triton.jit
+def _finish_kernel(vals_ptr, stride_v, scratch_ptr, topk, sel_ptr, cand_ptr, stride_cand,
+                   prefix_pos_ptr, stride_p, prefix_len, pos_base, out_idx_ptr, stride_o, out_val_ptr, stride_ov,
+                   PREFIX: tl.constexpr, VALUES: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 4, one program per row: the needed candidates join the selected list, which is sorted
+    and written as positions (and scores). With PREFIX, columns below ``prefix_len`` hold a
+    running top-k whose positions are ``prefix_pos``; later columns are positions ``pos_base + col
+    - prefix_len``."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = vals_ptr + row * stride_v
+    scratch_ptr += row * SCRATCH_COLS
+    sel_ptr += row * K_PAD
+    cand_ptr += row * stride_cand
+    top, need = _threshold_top(scratch_ptr, topk, True)
+    num_sel = tl.load(scratch_ptr + SELECTED_COUNT)
+    num_cand = tl.load(scratch_ptr + CANDIDATE_COUNT)
+    threshold = top.to(tl.uint64) << 48
+    for s in tl.static_range(6):  # the low 16 key bits, then the 32 column bits
+        threshold, need = _candidate_pass(row_ptr, cand_ptr, num_cand, threshold, need, 40 - 8 * s, BLOCK)
+    for c in range(0, num_cand, BLOCK):
+        cols, wide, ok = _candidates(row_ptr, cand_ptr, c + tl.arange(0, BLOCK), num_cand)
+        take = ok & (wide >= threshold)
+        flags = take.to(tl.int32)
+        tl.store(sel_ptr + num_sel + tl.cumsum(flags, 0) - flags, cols, mask=take)
+        num_sel += tl.sum(flags, 0)
+    tl.debug_barrier()  # the list written above is read back by other threads of this program
     # sort the selected by (key desc, position asc) and write positions (and scores)
     i = tl.arange(0, K_PAD)
     chosen = i < num_sel
@@ -158,33 +233,71 @@ def _check_topk(topk: int) -> int:
     return triton.next_power_of_2(topk)
 
 
+def _split_columns(rows: int, width: int, device: torch.device, block: int) -> int:
+    """Columns per program of passes 1-3: enough programs for ~16 per SM, a power of two >= block."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    per_row = max(1, 16 * sms // max(1, rows))
+    return max(block, triton.next_power_of_2(triton.cdiv(max(1, width), per_row)))
+
+
+class _Selection:
+    """Scratch of one launch group: per-row histograms and counts, selected and candidate lists."""
+
+    def __init__(self, rows: int, width: int, k_pad: int, device: torch.device, split: Optional[int], block: int,
+                 num_warps: int):
+        self.scratch = torch.empty(rows, SCRATCH_COLS, dtype=torch.int32, device=device)
+        self.selected = torch.empty(rows, k_pad, dtype=torch.int32, device=device)
+        self.candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
+        self.split = split or _split_columns(rows, width, device, block)
+        self.k_pad, self.block, self.num_warps = k_pad, block, num_warps
+
+    def run(self, vals: torch.Tensor, topk: int, width: int, out: torch.Tensor, *, ranges=None, prefix=None,
+            pos_base: int = 0, out_vals: Optional[torch.Tensor] = None) -> None:
+        """Top-k of each row of ``vals`` (columns [0, width), or ``ranges`` = (starts, ends)) into ``out``;
+        ``prefix`` = (positions, length) maps the first ``length`` columns to positions (fused top-k)."""
+        rows = vals.shape[0]
+        self.scratch[:rows].zero_()
+        starts, ends = ranges if ranges is not None else (self.scratch, self.scratch)
+        common = (vals, vals.stride(0), starts, ends, 0, width, self.scratch, topk)
+        grid = (rows, triton.cdiv(width, self.split))
+        knobs = dict(RANGES=ranges is not None, SPLIT=self.split, BLOCK=self.block, num_warps=self.num_warps)
+        for second in (False, True):
+            _histogram_kernel[grid](*common, SECOND=second, **knobs)
+        _collect_kernel[grid](*common, self.selected, self.candidates, self.candidates.stride(0), K_PAD=self.k_pad,
+                              **knobs)
+        prefix_pos, prefix_len = prefix if prefix is not None else (out, 0)
+        out_vals_or_any = vals if out_vals is None else out_vals
+        _finish_kernel[(rows,)](
+            vals, vals.stride(0), self.scratch, topk, self.selected, self.candidates, self.candidates.stride(0),
+            prefix_pos, prefix_pos.stride(0), prefix_len, pos_base, out, out.stride(0),
+            out_vals_or_any, out_vals_or_any.stride(0),
+            PREFIX=prefix is not None, VALUES=out_vals is not None, K_PAD=self.k_pad, BLOCK=BLOCK, num_warps=8,
+        )
+
+
 def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor, *,
-                 num_warps: int = 8) -> torch.Tensor:
+                 num_warps: int = 8, split: Optional[int] = None, block: int = BLOCK) -> torch.Tensor:
     """logits: [T, L] fp32, starts/ends: [T] int32 -> [T, topk] int32 columns of the topk
-    largest finite scores in [start, end), score descending, ties to the lower column, -1 padded."""
+    largest finite scores in [start, end), score descending, ties to the lower column, -1 padded.
+    ``split`` (columns per program, a multiple of ``block``) and ``num_warps`` tune passes 1-3."""
     k_pad = _check_topk(topk)
-    num_rows = logits.shape[0]
+    num_rows, width = logits.shape
     out = torch.empty(num_rows, topk, dtype=torch.int32, device=logits.device)
     if num_rows == 0:
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    group = max(1, min(num_rows, SCRATCH_BYTES // (4 * max(1, logits.shape[1]))))  # rows per launch
-    selected = torch.empty(group, k_pad, dtype=torch.int32, device=logits.device)
-    candidates = torch.empty(group, logits.shape[1], dtype=torch.int32, device=logits.device)
+    group = max(1, min(num_rows, SCRATCH_BYTES // (4 * max(1, width))))  # rows per launch
+    selection = _Selection(group, width, k_pad, logits.device, split, block, num_warps)
     for r0 in range(0, num_rows, group):
         rows = slice(r0, min(r0 + group, num_rows))
-        _topk_kernel[(rows.stop - r0,)](
-            logits[rows], logits.stride(0), starts[rows], ends[rows], 0, 0, out, 0, 0, 0, selected, candidates,
-            candidates.stride(0), out[rows], out.stride(0), logits, 0, topk,
-            RANGES=True, PREFIX=False, VALUES=False, K_PAD=k_pad, BLOCK=BLOCK, num_warps=num_warps,
-        )
+        selection.run(logits[rows], topk, width, out[rows], ranges=(starts[rows], ends[rows]))
     return out
 
 
 def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, chunk: int) -> torch.Tensor:
     """Top-k of the indexer logits (arguments of ``indexer_logits``) without a whole logits row:
     per group of rows, a buffer [rows, topk + chunk] holds the running top-k scores followed by
-    one chunk of scores; after each chunk the top-k kernel rewrites the running part in place."""
+    one chunk of scores; after each chunk the selection rewrites the running part in place."""
     k_pad = _check_topk(topk)
     num_q, device = q_fp8.shape[0], q_fp8.device
     out = torch.empty(num_q, topk, dtype=torch.int32, device=device)
@@ -192,8 +305,7 @@ def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, 
     width = topk + chunk
     group = max(1, min(num_q, SCRATCH_BYTES // (4 * width)))
     scores = torch.empty(group, width, dtype=torch.float32, device=device)
-    selected = torch.empty(group, k_pad, dtype=torch.int32, device=device)
-    candidates = torch.empty(group, width, dtype=torch.int32, device=device)
+    selection = _Selection(group, width, k_pad, device, None, BLOCK, 8)
     for r0 in range(0, num_q, group):
         rows = slice(r0, min(r0 + group, num_q))
         n = rows.stop - r0
@@ -204,10 +316,6 @@ def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, 
             c = min(chunk, k_fp8.shape[0] - s0)
             ragged_logits_into(scores[:n, topk:topk + c], q_fp8[rows], weights[rows], k_fp8, k_scale,
                                starts[rows], ends[rows], col0=s0)
-            _topk_kernel[(n,)](
-                scores, scores.stride(0), starts, ends, 0, topk + c, best_pos, best_pos.stride(0), topk, s0,
-                selected, candidates, candidates.stride(0), best_pos, best_pos.stride(0), scores, scores.stride(0),
-                topk,
-                RANGES=False, PREFIX=True, VALUES=True, K_PAD=k_pad, BLOCK=BLOCK, num_warps=8,
-            )
+            selection.run(scores[:n], topk, topk + c, best_pos, prefix=(best_pos, topk), pos_base=s0,
+                          out_vals=scores[:n])
     return out
