@@ -139,11 +139,13 @@ def random_sparse_inputs(
 
 def random_mla_cache(
     num_blocks: int, block_size: int = BLOCK_SIZE, *, generator: Optional[torch.Generator] = None, device="cpu",
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """FP8 MLA pool ``[num_blocks, block_size, 1, 656]`` uint8 with every slot holding a random token."""
+    """FP8 MLA pool ``[num_blocks, block_size, 1, 656]`` uint8 with every slot holding a random
+    token, N(0, scale^2) (0.1 is FlashMLA's test scale, where its absolute tolerance applies)."""
     shape = (num_blocks, block_size, 1)
-    c_kv = torch.randn(*shape, KV_LORA_RANK, generator=generator)
-    k_pe = torch.randn(*shape, ROPE_DIM, generator=generator)
+    c_kv = torch.randn(*shape, KV_LORA_RANK, generator=generator) * scale
+    k_pe = torch.randn(*shape, ROPE_DIM, generator=generator) * scale
     return quantize_mla(c_kv, k_pe).to(device)
 
 

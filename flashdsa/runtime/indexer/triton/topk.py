@@ -33,7 +33,10 @@ BLOCK = 2048  # scores per step of a pass
 MAX_TOPK = 8192  # the selected pairs are sorted in registers
 SCRATCH_BYTES = 256 << 20  # candidate lists (and fused scores) of the rows one launch handles
 # per-row scratch (int32): two 256-bin histograms, then the selected and candidate counts
-SECOND_BINS, SELECTED_COUNT, CANDIDATE_COUNT, SCRATCH_COLS = 256, 512, 513, 514
+SECOND_BINS = tl.constexpr(256)
+SELECTED_COUNT = tl.constexpr(512)
+CANDIDATE_COUNT = tl.constexpr(513)
+SCRATCH_COLS = tl.constexpr(514)
 
 
 @triton.jit
@@ -245,7 +248,7 @@ class _Selection:
 
     def __init__(self, rows: int, width: int, k_pad: int, device: torch.device, split: Optional[int], block: int,
                  num_warps: int):
-        self.scratch = torch.empty(rows, SCRATCH_COLS, dtype=torch.int32, device=device)
+        self.scratch = torch.empty(rows, SCRATCH_COLS.value, dtype=torch.int32, device=device)
         self.selected = torch.empty(rows, k_pad, dtype=torch.int32, device=device)
         self.candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
         self.split = split or _split_columns(rows, width, device, block)
