@@ -1,0 +1,113 @@
+"""Every Triton kernel compiles for Hopper (sm_90a) on a machine without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) runs kernels through NumPy and accepts code that the GPU
+compiler rejects (plain Python globals inside a kernel, for one). Here each Triton backend is
+called on CPU tensors at the shapes the GPU serves, with ``JITFunction.run`` recording the launch
+instead of running it; every distinct (kernel, signature, constexprs, launch options) is then
+compiled through Triton's whole pipeline to a cubin for ``GPUTarget("cuda", 90, 32)``. That needs
+the ptxas shipped with triton, but no driver. Nothing is executed, so outputs are not checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from flashdsa.runtime.cache.layout import quantize_indexer_key  # noqa: E402
+from flashdsa.testing import random_mla_cache, random_sparse_inputs  # noqa: E402
+
+ARG_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
+             torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """Triton's type string of every runtime argument, and the constexpr values."""
+    bound = dict(zip(fn.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = bound.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + ARG_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    return signature, constexprs
+
+
+@pytest.fixture
+def launches(monkeypatch) -> dict:
+    """Launches recorded (not run) while the test body calls Triton backends; keyed to dedupe."""
+    recorded = {}
+
+    def record(fn, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        signature, constexprs = _signature(fn, args, kwargs)
+        key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())), repr(options))
+        recorded.setdefault(key, (fn, signature, constexprs, options))
+
+    monkeypatch.setattr(JITFunction, "run", record)
+    return recorded
+
+
+def compile_all(launches: dict) -> list[str]:
+    """Compile every recorded launch to a cubin; return the kernel names compiled."""
+    assert launches, "no Triton launch was recorded"
+    for fn, signature, constexprs, options in launches.values():
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                                options=options)
+        assert kernel.asm.get("cubin"), f"{fn.__name__} {constexprs}: no cubin"
+    return sorted({fn.__name__ for fn, *_ in launches.values()})
+
+
+def test_attention_kernels_compile_for_hopper(launches):
+    from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_decode, sparse_fwd
+
+    for h_q, d_qk in ((128, 576), (16, 512)):
+        q, kv, idx = random_sparse_inputs(2, 300, h_q, d_qk, 2048)
+        out, _, lse = sparse_fwd.sparse_mla_fwd(q, kv, idx, d_qk**-0.5)
+        for deterministic in (False, True):
+            sparse_bwd.sparse_mla_bwd(q, kv, out, out, lse, idx, d_qk**-0.5, deterministic=deterministic)
+    cache = random_mla_cache(4)
+    for batch in (1, 128):  # split over the top-k with a combine, and one program per row
+        q = torch.randn(batch, 2, 128, 576).bfloat16()
+        slots = torch.randint(-1, 256, (batch, 2, 2048), dtype=torch.int32)
+        sparse_decode.sparse_mla_decode(q, cache, slots, 576**-0.5)
+    assert compile_all(launches) == ["_bwd_dkv_kernel", "_bwd_dq_kernel", "_combine_kernel",
+                                     "_decode_partial_kernel", "_reduce_rows_kernel", "_sparse_fwd_kernel"]
+
+
+def test_indexer_and_cache_kernels_compile_for_hopper(launches):
+    from flashdsa.runtime.cache.triton import writes
+    from flashdsa.runtime.indexer.triton import hadamard, logits, topk
+
+    num_q, num_keys, heads = 3, 500, 64
+    q = torch.randn(num_q, heads, 128).to(torch.float8_e4m3fn)
+    weights = torch.randn(num_q, heads)
+    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128))
+    starts = torch.zeros(num_q, dtype=torch.int32)
+    ends = torch.full((num_q,), num_keys, dtype=torch.int32)
+    hadamard.hadamard_transform(torch.randn(5, 128).bfloat16())
+    scores = logits.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
+    topk.indexer_topk(scores, 2048, starts, ends)
+    topk.indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, 2048, 4096)
+    pool = torch.zeros(8, 64, 1, 132, dtype=torch.uint8)
+    lens = torch.tensor([70, 200], dtype=torch.int32)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    logits.indexer_logits_paged(q[:2].view(2, 1, heads, 128), weights[:2], pool, lens, table, 256)
+    slots = torch.arange(16, dtype=torch.int32)
+    writes.write_mla_cache(torch.randn(16, 512).bfloat16(), torch.randn(16, 64).bfloat16(),
+                           torch.zeros(4, 64, 1, 656, dtype=torch.uint8), slots)
+    writes.write_indexer_cache(torch.randn(16, 128).bfloat16(), pool, slots)
+    assert compile_all(launches) == ["_collect_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
+                                     "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
