@@ -98,19 +98,21 @@ def test_launch_variants_match_reference(block_n, warps, stages, q_in_loop, spli
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(out_of_range=0.4), dict(duplicates=True, invalid=0.3)])
-def test_out_of_range_and_duplicate_slots(options):
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_out_of_range_and_duplicate_slots(options, prescaled):
     q, pool, slots = decode_inputs(4, 2, 128, 256, 1000, cuda, **options)
     slots[0, 0, :4] = torch.tensor([-7, pool.shape[0] * BLOCK_SIZE, 2**31 - 1, pool.shape[0] * BLOCK_SIZE - 1])
-    check_decode(q, pool, slots)
+    check_decode(q, pool, slots, config=sparse_decode.DecodeConfig(prescaled_keys=prescaled))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [None, 4])
-def test_rows_without_valid_slot_give_zero_out_and_inf_lse(num_splits):
+@pytest.mark.parametrize("prescaled", [False, True])
+def test_rows_without_valid_slot_give_zero_out_and_inf_lse(num_splits, prescaled):
     q, pool, slots = decode_inputs(3, 2, 64, 256, 500, cuda)
     slots[1] = -1
     slots[2, 1, :] = 2**31 - 1
-    out, lse = check_decode(q, pool, slots, num_splits)
+    out, lse = check_decode(q, pool, slots, num_splits, config=sparse_decode.DecodeConfig(prescaled_keys=prescaled))
     assert not out[1].any() and torch.isposinf(lse[1]).all() and torch.isposinf(lse[2, :, 1]).all()
 
 
@@ -175,10 +177,12 @@ def test_decode_under_interpreter():
 
 
 def run_memcheck_case() -> None:
-    """A small GPU case full of invalid slot ids, split and unsplit, for compute-sanitizer."""
+    """A small GPU case full of invalid slot ids, split and unsplit, exact and prescaled keys, for
+    compute-sanitizer."""
     q, pool, slots = decode_inputs(2, 2, 128, 256, 300, cuda, invalid=0.3, out_of_range=0.3)
     for splits in (None, 3):
-        check_decode(q, pool, slots, splits)
+        for prescaled in (False, True):
+            check_decode(q, pool, slots, splits, config=sparse_decode.DecodeConfig(prescaled_keys=prescaled))
     torch.cuda.synchronize()
 
 
