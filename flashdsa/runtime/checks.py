@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -45,3 +47,27 @@ def check(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:
         raise ValueError(message)
+
+
+_values_trusted: ContextVar[bool] = ContextVar("flashdsa_values_trusted", default=False)
+
+
+@contextmanager
+def trusted_values() -> Iterator[None]:
+    """Skip the checks that read tensor values back to the host (one device sync each) inside this
+    block; shapes and dtypes are still checked. For callers that built the values themselves, like
+    the engine's model runner, whose slot mappings and ranges come from its own block manager.
+    The values must then be valid: an unchecked range or block id past its tensor is read as is."""
+    token = _values_trusted.set(True)
+    try:
+        yield
+    finally:
+        _values_trusted.reset(token)
+
+
+def can_check_values(device: torch.device) -> bool:
+    """Whether value checks may read tensors back: not inside :func:`trusted_values`, nor while a
+    CUDA graph is being captured (reading back is impossible there)."""
+    if _values_trusted.get():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()

@@ -16,7 +16,7 @@ import torch
 
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, INDEXER_TOKEN_BYTES, KV_LORA_RANK, MLA_TOKEN_BYTES, ROPE_DIM
-from flashdsa.runtime.checks import check, check_tensor
+from flashdsa.runtime.checks import can_check_values, check, check_tensor
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,12 +33,13 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
 def _check_slots(slot_mapping: object, num_tokens: int, cache: torch.Tensor) -> None:
     """slot_mapping: [T] int64 on the cache's device, every slot < the cache's capacity.
 
-    The range check reads the slots back (one device sync); it is skipped while a CUDA graph is
-    being captured, where backends still skip out-of-range slots instead of writing them.
+    The range check reads the slots back (one device sync); it is skipped inside
+    ``checks.trusted_values`` and while a CUDA graph is being captured, where backends still skip
+    out-of-range slots instead of writing them.
     """
     check_tensor("slot_mapping", slot_mapping, torch.int64, [num_tokens], f"int64 [T={num_tokens}]", cache.device)
     capacity = cache.shape[0] * cache.shape[1]
-    if num_tokens and not (cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if num_tokens and can_check_values(cache.device):
         top = int(slot_mapping.max())
         check(top < capacity, f"slot_mapping has slot {top}, beyond the cache's {capacity} slots")
 

@@ -1,6 +1,7 @@
 """Lightning-indexer ops of DeepSeek Sparse Attention: Hadamard rotation, FP8 quantization,
 logits (ragged prefill ranges and paged decode) and top-k. Public functions validate their
-inputs and dispatch to a backend.
+inputs and dispatch to a backend. Range and block-table values are read back to check them (one
+device sync per call) except inside ``checks.trusted_values()``, which the engine uses.
 
 Registered backends (lazy "module:function" targets; backend functions take the public
 function's arguments positionally, already validated, with ``starts``/``ends`` always tensors):
@@ -26,7 +27,7 @@ import torch
 
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, INDEXER_TOKEN_BYTES, quantize_indexer_key
-from flashdsa.runtime.checks import check, check_tensor, describe
+from flashdsa.runtime.checks import can_check_values, check, check_tensor, describe
 from flashdsa.runtime.fp8 import E4M3
 
 _TRITON_MODULE = {
@@ -60,16 +61,11 @@ for _op, _module in _TRITON_MODULE.items():
     dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
 
 
-def _can_read_back(device: torch.device) -> bool:
-    """Value checks read tensors back to the host; impossible while capturing a CUDA graph."""
-    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
-
-
 def _check_ranges(starts: object, ends: object, num_rows: int, length: int, device: torch.device) -> None:
     """starts, ends: int32 [num_rows] with 0 <= starts <= ends <= length."""
     for name, t in (("starts", starts), ("ends", ends)):
         check_tensor(name, t, torch.int32, [num_rows], f"int32 [T={num_rows}]", device)
-    if num_rows and _can_read_back(device):
+    if num_rows and can_check_values(device):
         flags = torch.stack(((starts < 0).any(), (ends > length).any(), (starts > ends).any()))
         bad_start, bad_end, crossed = flags.tolist()
         check(not bad_start, f"starts must be >= 0, got min {int(starts.min())}")
@@ -150,7 +146,7 @@ def _check_paged(context_lens, block_tables, num_blocks, block_size, batch, next
     check_tensor("context_lens", context_lens, torch.int32, [batch], f"int32 [B={batch}]", device)
     check_tensor("block_tables", block_tables, torch.int32, [batch, None], f"int32 [B={batch}, max_blocks]", device)
     _check_int("max_context_len", max_context_len, 0)
-    if not batch or not _can_read_back(device):
+    if not batch or not can_check_values(device):
         return
     lens = context_lens.long()
     needed = torch.arange(block_tables.shape[1], device=device) * block_size < lens[:, None]
