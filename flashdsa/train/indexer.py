@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashdsa.runtime.checks import trusted_values
+from flashdsa.runtime.indexer import indexer_topk
+
 
 SELECT_CHUNK = 1024  # queries scored at once when selecting the top-k
 
@@ -52,15 +55,19 @@ def causal_scores(inputs: IndexerInputs) -> torch.Tensor:
 
 @torch.no_grad()
 def select_topk(inputs: IndexerInputs, topk: int) -> torch.Tensor:
-    """The top-k causal keys of every query: [B, L, topk] int64 positions, -1 padded."""
-    length, parts = inputs.k.shape[1], []
-    for start in range(0, length, SELECT_CHUNK):
-        stop = min(length, start + SELECT_CHUNK)
-        scores = inputs.scores(slice(start, stop), stop)  # [B, n, stop]
-        keys, queries = torch.arange(stop, device=scores.device), torch.arange(start, stop, device=scores.device)
-        causal = keys[None, :] <= queries[:, None]
-        parts.append(causal_topk(scores.masked_fill(~causal, float("-inf")), topk))
-    return torch.cat(parts, dim=1)
+    """The top-k causal keys of every query: [B, L, topk] int64 positions, by descending score,
+    ties to the lower position, -1 padded. Query blocks go through the inference indexer's top-k
+    op (Triton on CUDA) with causal ranges, so no block is masked or sorted."""
+    batch, length = inputs.k.shape[:2]
+    parts = []
+    with trusted_values():  # the ranges below are built here
+        for start in range(0, length, SELECT_CHUNK):
+            stop = min(length, start + SELECT_CHUNK)
+            scores = inputs.scores(slice(start, stop), stop).float().flatten(0, 1)  # [B * n, stop]
+            ends = torch.arange(start + 1, stop + 1, dtype=torch.int32, device=scores.device).repeat(batch)
+            positions = indexer_topk(scores, topk, torch.zeros_like(ends), ends)
+            parts.append(positions.view(batch, stop - start, topk))
+    return torch.cat(parts, dim=1).long()
 
 
 def selected_scores(inputs: IndexerInputs, positions: torch.Tensor) -> torch.Tensor:
@@ -69,15 +76,3 @@ def selected_scores(inputs: IndexerInputs, positions: torch.Tensor) -> torch.Ten
     keys = inputs.k[batch, positions.clamp_min(0)]  # [B, L, K, D]
     dots = F.relu(torch.einsum("bthd,btkd->bthk", inputs.q, keys) * inputs.q.shape[-1] ** -0.5)
     return torch.einsum("bth,bthk->btk", inputs.w, dots)
-
-
-def causal_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Positions of the ``topk`` best finite scores per row: [B, n, S] -> [B, n, topk] int64, -1 padded.
-
-    Always ``topk`` columns (the sparse kernels want a fixed width); a row with fewer finite scores
-    is padded. Ties go to the lower position (a stable sort), as in the inference indexer's top-k.
-    """
-    k = min(topk, scores.shape[-1])
-    values, positions = scores.sort(dim=-1, descending=True, stable=True)
-    positions = positions[..., :k].masked_fill(torch.isinf(values[..., :k]), -1)
-    return F.pad(positions, (0, topk - k), value=-1)

@@ -6,7 +6,8 @@ import torch
 
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.train import indexer as train_indexer
-from flashdsa.train.indexer import causal_scores, causal_topk, indexer_inputs, select_topk, selected_scores
+from flashdsa.runtime.indexer import indexer_topk
+from flashdsa.train.indexer import causal_scores, indexer_inputs, select_topk, selected_scores
 from flashdsa.train.init import initialize
 
 from train_configs import tiny_config
@@ -24,7 +25,8 @@ def inputs_of_a_tiny_model(batch: int = 2, length: int = 13):
 
 def test_chunked_selection_equals_top_k_of_the_full_causal_scores(monkeypatch):
     _, inputs = inputs_of_a_tiny_model()
-    full = causal_topk(causal_scores(inputs), 6)
+    scores = causal_scores(inputs).float()  # [B, L, L], -inf above the diagonal: never selected
+    full = indexer_topk(scores.flatten(0, 1), 6).view(*scores.shape[:2], 6).long()
     monkeypatch.setattr(train_indexer, "SELECT_CHUNK", 4)  # 13 queries in chunks of 4, 4, 4, 1
     chunked = select_topk(inputs, 6)
     assert torch.equal(chunked, full)

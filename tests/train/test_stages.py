@@ -8,7 +8,6 @@ import torch
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.train.forward import training_forward
-from flashdsa.train.indexer import causal_topk
 from flashdsa.train.init import initialize
 from flashdsa.train.loop import TrainConfig, compute_losses, make_optimizer, set_trainable
 
@@ -42,13 +41,6 @@ def test_training_forward_equals_inference_forward(index_topk):
             context_lens=torch.tensor([LENGTH], dtype=torch.int32), slot_mapping=torch.arange(LENGTH),
             block_tables=torch.tensor([[0]], dtype=torch.int32), logits_indices=torch.arange(LENGTH))
         torch.testing.assert_close(out.logits[b], model(ids[b], meta, caches), rtol=1e-5, atol=1e-5)
-
-
-def test_causal_topk_is_causal_padded_and_prefers_lower_positions_on_ties():
-    scores = torch.tensor([[[0.0, 5, 5, 1]]]).expand(1, 4, 4).clone()
-    scores = scores.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
-    got = causal_topk(scores, 3)
-    assert got.tolist() == [[[0, -1, -1], [1, 0, -1], [1, 2, 0], [1, 2, 3]]]
 
 
 def run_steps(model, stage: str, steps: int = 2) -> None:
