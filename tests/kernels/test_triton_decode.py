@@ -84,13 +84,13 @@ def test_forced_splits_combine_to_the_same_result(num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, warps, stages, q_in_loop, split_dv, prescaled", [
-    (64, 8, 2, False, True, False), (32, 8, 2, True, True, False), (64, 4, 2, False, True, False),
-    (64, 8, 1, True, False, False), (64, 8, 2, False, False, True), (64, 8, 1, True, False, True),
-    (32, 8, 3, False, False, True)])
-def test_launch_variants_match_reference(block_n, warps, stages, q_in_loop, split_dv, prescaled):
+@pytest.mark.parametrize("block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch", [
+    (64, 8, 2, False, True, False, False), (32, 8, 2, True, True, False, True), (64, 4, 2, False, True, False, False),
+    (64, 8, 1, True, False, False, False), (64, 8, 2, False, False, True, False), (64, 8, 1, True, False, True, False),
+    (64, 8, 3, False, False, True, True), (32, 8, 4, False, False, True, True)])
+def test_launch_variants_match_reference(block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch):
     config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_in_loop=q_in_loop,
-                                        split_dv=split_dv, prescaled_keys=prescaled)
+                                        split_dv=split_dv, prescaled_keys=prescaled, prefetch_slots=prefetch)
     q, pool, slots = decode_inputs(3, 2, 128, 512, 2000, cuda, invalid=0.1)
     for splits in (None, 3):
         check_decode(q, pool, slots, splits, config=config)
@@ -160,9 +160,9 @@ def run_interpreter_cases() -> None:
     cpu = torch.device("cpu")
     for b, s_q, h_q, topk, context, splits, options in INTERPRETER_CASES:
         check_decode(*decode_inputs(b, s_q, h_q, topk, context, cpu, **options), num_splits=splits)
-    variant = sparse_decode.DecodeConfig(block_n=32, q_in_loop=True, split_dv=True)
+    variant = sparse_decode.DecodeConfig(block_n=32, q_in_loop=True, split_dv=True, prefetch_slots=True)
     check_decode(*decode_inputs(1, 2, 20, 64, 80, cpu), num_splits=2, config=variant)
-    prescaled = sparse_decode.DecodeConfig(block_n=32, prescaled_keys=True)
+    prescaled = sparse_decode.DecodeConfig(block_n=32, prescaled_keys=True, prefetch_slots=True)
     check_decode(*decode_inputs(1, 2, 20, 96, 80, cpu, invalid=0.2), num_splits=2, config=prescaled)
     check_decode(*decode_inputs(1, 1, 16, 128, 200, cpu, scale=1.0), out_abs_tol=1e-2,  # peaked, 4 steps
                  config=sparse_decode.DecodeConfig(block_n=32, prescaled_keys=True, q_in_loop=True),

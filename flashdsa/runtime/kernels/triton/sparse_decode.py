@@ -50,6 +50,7 @@ class DecodeConfig:
     q_in_loop: bool = False  # reload q from L2 every step instead of keeping it live (fewer registers)
     split_dv: bool = False  # two launches, each accumulating half of d_v (QK recomputed, half the registers)
     prescaled_keys: bool = False  # keys rounded once to bf16(e4m3 * scale): one latent dot each way
+    prefetch_slots: bool = False  # slot ids loaded a step ahead: with 3 stages the gather is double-buffered
     target_programs: int = 2 * 132
     min_tokens_per_split: int = 128
 
@@ -70,6 +71,13 @@ def _load_q(q_rows, head_ok, dr, TILE: tl.constexpr, PRESCALED: tl.constexpr):
         q2 = tl.load(q_rows + 2 * TILE + d[None, :], mask=mask, other=0.0)
         q3 = tl.load(q_rows + 3 * TILE + d[None, :], mask=mask, other=0.0)
     return q0, q1, q2, q3, q_pe
+
+
+@triton.jit
+def _load_slots(idx_row, n0, end, BLOCK_N: tl.constexpr):
+    """The BLOCK_N slot ids from position n0 of one top-k row; -1 past ``end``."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(idx_row + pos, mask=pos < end, other=-1)
 
 
 @triton.jit
@@ -95,6 +103,7 @@ def _decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, Q_IN_LOOP: tl.constexpr,
     V_HALF: tl.constexpr,  # -1: all of d_v; 0 / 1: only latent tiles 0-1 / 2-3 (acc0, acc1)
     PRESCALED: tl.constexpr,  # keys as bf16(e4m3 * scale): one [BLOCK_H, 512] accumulator in acc0
+    PREFETCH: tl.constexpr,  # the next step's slot ids are loaded a step ahead (a loop-carried value)
     TILE: tl.constexpr, ROPE: tl.constexpr, TOKEN_BYTES: tl.constexpr,
     SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
@@ -122,18 +131,24 @@ def _decode_partial_kernel(
     end = start + tokens_per_split
     if end > topk:  # (not tl.minimum: the interpreter cannot loop to a 1-element tensor)
         end = topk
+    idx_row = idx_ptr + row.to(tl.int64) * stride_idx_row
+    next_slot = _load_slots(idx_row, start, end, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_ptr + row.to(tl.int64) * stride_idx_row + pos, mask=pos < end, other=-1)
+        if PREFETCH:  # the gather then depends only on the loop-carried ids, so it can be pipelined deeper
+            slot = next_slot
+            next_slot = _load_slots(idx_row, n0 + BLOCK_N, end, BLOCK_N)
+        else:
+            slot = _load_slots(idx_row, n0, end, BLOCK_N)
         valid = (slot >= 0) & (slot < num_slots)
         slot = tl.where(valid, slot, 0).to(tl.int64)
+        if PRESCALED:
+            kv = _load_prescaled_latent(kv_u8_ptr, kv_f32_ptr, slot, valid, BLOCK_N, TILE, TOKEN_BYTES, SCALE_OFF)
         k_pe = tl.load(kv_bf16_ptr + slot[:, None] * (TOKEN_BYTES // 2) + ROPE_OFF // 2 + dr[None, :],
                        mask=valid[:, None], other=0.0)
         if Q_IN_LOOP:
             q0, q1, q2, q3, q_pe = _load_q(q_rows, head_ok, dr, TILE, PRESCALED)
         s = tl.dot(q_pe, tl.trans(k_pe))
         if PRESCALED:
-            kv = _load_prescaled_latent(kv_u8_ptr, kv_f32_ptr, slot, valid, BLOCK_N, TILE, TOKEN_BYTES, SCALE_OFF)
             s = tl.dot(q0, tl.trans(kv), s)
         else:  # e4m3 -> bf16 is exact; the tile scale multiplies the fp32 dot products instead
             tok = kv_u8_ptr + slot[:, None] * TOKEN_BYTES + d[None, :]
@@ -285,7 +300,7 @@ def sparse_mla_decode(
             num_slots, h_q, topk, per_split, s_q, sm_scale * LOG2E,
             q_rows.stride(0), q_rows.stride(1), idx.stride(0),
             BLOCK_H=block_h, BLOCK_N=config.block_n, DIRECT=direct, Q_IN_LOOP=config.q_in_loop, V_HALF=v_half,
-            PRESCALED=config.prescaled_keys,
+            PRESCALED=config.prescaled_keys, PREFETCH=config.prefetch_slots,
             TILE=MLA_TILE, ROPE=ROPE_DIM, TOKEN_BYTES=MLA_TOKEN_BYTES,
             SCALE_OFF=MLA_SCALE_OFFSET, ROPE_OFF=MLA_ROPE_OFFSET,
             num_warps=config.num_warps, num_stages=config.num_stages,
