@@ -143,13 +143,6 @@ def _decode_partial_kernel(
         slot = tl.where(valid, slot, 0).to(tl.int64)
         if PRESCALED:
             kv = _load_prescaled_latent(kv_u8_ptr, kv_f32_ptr, slot, valid, BLOCK_N, TILE, TOKEN_BYTES, SCALE_OFF)
-        k_pe = tl.load(kv_bf16_ptr + slot[:, None] * (TOKEN_BYTES // 2) + ROPE_OFF // 2 + dr[None, :],
-                       mask=valid[:, None], other=0.0)
-        if Q_IN_LOOP:
-            q0, q1, q2, q3, q_pe = _load_q(q_rows, head_ok, dr, TILE, PRESCALED)
-        s = tl.dot(q_pe, tl.trans(k_pe))
-        if PRESCALED:
-            s = tl.dot(q0, tl.trans(kv), s)
         else:  # e4m3 -> bf16 is exact; the tile scale multiplies the fp32 dot products instead
             tok = kv_u8_ptr + slot[:, None] * TOKEN_BYTES + d[None, :]
             scales = kv_f32_ptr + slot * (TOKEN_BYTES // 4) + SCALE_OFF // 4
@@ -161,6 +154,14 @@ def _decode_partial_kernel(
             sc1 = tl.load(scales + 1, mask=valid, other=0.0)[None, :]
             sc2 = tl.load(scales + 2, mask=valid, other=0.0)[None, :]
             sc3 = tl.load(scales + 3, mask=valid, other=0.0)[None, :]
+        k_pe = tl.load(kv_bf16_ptr + slot[:, None] * (TOKEN_BYTES // 2) + ROPE_OFF // 2 + dr[None, :],
+                       mask=valid[:, None], other=0.0)
+        if Q_IN_LOOP:
+            q0, q1, q2, q3, q_pe = _load_q(q_rows, head_ok, dr, TILE, PRESCALED)
+        s = tl.dot(q_pe, tl.trans(k_pe))
+        if PRESCALED:
+            s = tl.dot(q0, tl.trans(kv), s)
+        else:
             s += tl.dot(q0, tl.trans(k0)) * sc0
             s += tl.dot(q1, tl.trans(k1)) * sc1
             s += tl.dot(q2, tl.trans(k2)) * sc2
