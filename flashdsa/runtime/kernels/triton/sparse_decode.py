@@ -12,9 +12,12 @@ bf16(e4m3 * scale), as FlashMLA does: the keys are rounded once more (relative e
 FlashMLA's 1/10-scaled test inputs the lse moves ~3e-6, far inside its tolerance, at unscaled inputs
 ~1e-3), but the scores become one 512-wide dot plus the RoPE dot, P is cast to bf16 once, and
 ``P @ V`` is one [BLOCK_H, BLOCK_N] x [BLOCK_N, 512] dot into one accumulator: fewer live tensors,
-no spills at 8 warps. Invalid slots (< 0 or >= num_blocks * block_size) are masked before any
-load. For small batches the top-k list is split over several programs that
-write partial (out, lse) in fp32; a second kernel merges them (split-KV + combine).
+no spills at 8 warps. ``prefetch_slots`` loads the next step's slot ids a step ahead, so the
+gather no longer waits on an id loaded in the same step and 3 stages double-buffer it.
+
+Invalid slots (< 0 or >= num_blocks * block_size) are masked before any load. For small batches
+the top-k list is split over several programs that write partial (out, lse) in fp32; a second
+kernel merges them (split-KV + combine).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2  # measured 8% faster than 1 on an H200 (b=128, s_q=2, topk=2048)
-    q_in_loop: bool = False  # reload q from L2 every step instead of keeping it live (fewer registers)
+    q_in_loop: bool = False  # reload q from L2 every step (q sits in shared memory either way)
     split_dv: bool = False  # two launches, each accumulating half of d_v (QK recomputed, half the registers)
     prescaled_keys: bool = False  # keys rounded once to bf16(e4m3 * scale): one latent dot each way
     prefetch_slots: bool = False  # slot ids loaded a step ahead: with 3 stages the gather is double-buffered
