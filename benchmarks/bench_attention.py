@@ -16,7 +16,9 @@ import logging
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, cache_keys, compiled_stats, input_sets_for, median_ms, output_parser, report
+from benchmarks.common import (
+    Row, cache_keys, compiled_stats, input_sets_for, kernel_split, median_ms, output_parser, report,
+)
 from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_fwd
 
 S_Q, H_Q, D_QK, D_V, TOPK = 4096, 128, 576, 512, 2048
@@ -80,20 +82,6 @@ def tflops(flops_per_token: float, ms: float) -> float:
 
 FWD_FLOPS = 2 * H_Q * TOPK * (D_QK + D_V)
 BWD_FLOPS = 2 * H_Q * TOPK * (2 * D_V + 3 * D_QK)
-
-
-def kernel_split(call) -> str:
-    """Device time of each kernel in one ``call`` (torch profiler), largest first."""
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        times = sorted(((e.device_time_total / 1000, e.key) for e in prof.key_averages() if e.device_time_total > 0),
-                       reverse=True)
-        return ", ".join(f"{name[:24]} {ms:.1f} ms" for ms, name in times[:3])
-    except Exception as e:  # the profiler is a convenience here, never a reason to fail
-        log.warning("profiler failed: %s", e)
-        return ""
 
 
 def deviation(got, ref) -> float:

@@ -20,7 +20,7 @@ import logging
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, cache_keys, compiled_stats, median_ms, output_parser, report
+from benchmarks.common import Row, cache_keys, compiled_stats, kernel_split, median_ms, output_parser, report
 from flashdsa.runtime.cache.triton import writes
 from flashdsa.runtime.indexer.triton import logits, topk
 from flashdsa.runtime.kernels.triton import sparse_decode
@@ -29,9 +29,11 @@ log = logging.getLogger("bench_decode_indexer")
 BS = 64  # cache block size
 DECODE = dict(b=128, s_q=2, h_q=128, topk=2048, s_kv=32768)
 DECODE_FLOOR = 200.0
-DECODE_CONFIGS = [  # (keys per step, warps, stages, q reloaded each step, d_v split over two launches)
-    (64, 8, 1, False, False), (64, 8, 2, False, False), (64, 8, 1, False, True), (64, 8, 2, False, True),
-    (32, 8, 2, False, True), (64, 4, 2, False, True), (64, 8, 1, True, False), (32, 8, 2, True, True),
+DECODE_CONFIGS = [  # (keys per step, warps, stages, q reloaded each step, d_v split over two launches,
+    #                   keys prescaled to bf16, slot ids prefetched a step ahead)
+    (64, 8, 2, False, False, False, False), (64, 8, 3, False, False, True, True), (64, 8, 2, False, False, True, True),
+    (64, 8, 3, False, False, True, False), (32, 8, 3, False, False, True, True), (32, 8, 4, False, False, True, True),
+    (64, 8, 1, False, False, False, False), (64, 8, 2, False, True, False, False),
 ]
 INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
 PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads on the dot's N)
@@ -76,10 +78,10 @@ def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
     flops = b * s_q * 2 * h_q * topk * (576 + 512)
     shape = f"b={b} s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv // 1024}K"
     rows = []
-    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:1]
-    for block_n, warps, stages, q_in_loop, split_dv in tqdm(configs, desc=f"decode {shape}"):
-        config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                                            q_in_loop=q_in_loop, split_dv=split_dv)
+    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:2]  # the exact and the prescaled default candidates
+    for block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch in tqdm(configs, desc=f"decode {shape}"):
+        config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_in_loop=q_in_loop,
+                                            split_dv=split_dv, prescaled_keys=prescaled, prefetch_slots=prefetch)
         before = cache_keys(sparse_decode._decode_partial_kernel)
         calls = [lambda s=s: sparse_decode.sparse_mla_decode(s[0], pool, s[1], 576**-0.5, 512, config=config)
                  for s in sets]
@@ -88,7 +90,8 @@ def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
         except Exception as e:  # e.g. out of shared memory: report and go on
             log.warning("decode %s failed: %s", config, str(e).splitlines()[0][:200])
             continue
-        note = (f"N={block_n} w={warps} st={stages} q_in_loop={q_in_loop} split_dv={split_dv}: "
+        note = (f"N={block_n} w={warps} st={stages} q_in_loop={q_in_loop} split_dv={split_dv} "
+                f"prescaled={prescaled} prefetch={prefetch}: "
                 f"{compiled_stats(sparse_decode._decode_partial_kernel, before)}")
         rows.append(Row("sparse_mla_decode triton", shape, ms, flops / ms / 1e9, "TFLOPS", DECODE_FLOOR, note))
         print(rows[-1])
@@ -170,7 +173,7 @@ def bench_topk(device) -> list[Row]:
         topk.indexer_topk(sets[0], TOPK, starts, ends)
     ms = median_ms([graph.replay])
     rows.append(Row("indexer_topk triton, CUDA graph", f"128 rows x 128K, topk={TOPK}", ms, ms_torch / ms,
-                    "x torch.topk", 3.0, f"torch.topk {ms_torch:.3f} ms; default launch, replayed"))
+                    "x torch.topk", 3.0, f"torch.topk {ms_torch:.3f} ms; replayed: {kernel_split(graph.replay, 6)}"))
     print(rows[-1])
     return rows
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import subprocess
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("benchmarks")
 
 L2_BYTES = 64 << 20  # larger than the H100 (50 MB) and H200 (60 MB) L2
 
@@ -120,3 +123,17 @@ def compiled_stats(jit_fn, before: set, launch: bool = False) -> str:
             note += f", {k.metadata.num_warps} warps, {k.metadata.num_stages} stages"
         notes.append(note)
     return "; ".join(notes)
+
+
+def kernel_split(call, top: int = 3) -> str:
+    """Device time of each kernel in one ``call`` (torch profiler), largest first."""
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        times = sorted(((e.device_time_total / 1000, e.key) for e in prof.key_averages() if e.device_time_total > 0),
+                       reverse=True)
+        return ", ".join(f"{name[:24]} {ms:.3f} ms" for ms, name in times[:top])
+    except Exception as e:  # the profiler is a convenience here, never a reason to fail
+        log.warning("profiler failed: %s", e)
+        return ""
