@@ -110,5 +110,4 @@ def test_indexer_and_cache_kernels_compile_for_hopper(launches):
                            torch.zeros(4, 64, 1, 656, dtype=torch.uint8), slots)
     writes.write_indexer_cache(torch.randn(16, 128).bfloat16(), pool, slots)
     assert compile_all(launches) == ["_collect_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
-                                     "_paged_kernel", "_ragged_kernel", "_rank_kernel", "_write_indexer_kernel",
-                                     "_write_mla_kernel"]
+                                     "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
