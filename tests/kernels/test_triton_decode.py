@@ -87,7 +87,7 @@ def test_forced_splits_combine_to_the_same_result(num_splits):
 @pytest.mark.parametrize("block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch", [
     (64, 8, 2, False, True, False, False), (32, 8, 2, True, True, False, True), (64, 4, 2, False, True, False, False),
     (64, 8, 1, True, False, False, False), (64, 8, 2, False, False, True, False), (64, 8, 1, True, False, True, False),
-    (64, 8, 3, False, False, True, True), (32, 8, 4, False, False, True, True)])
+    (64, 8, 3, False, False, True, True), (32, 8, 4, False, False, True, True), (64, 8, 2, False, False, False, False)])
 def test_launch_variants_match_reference(block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch):
     config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_in_loop=q_in_loop,
                                         split_dv=split_dv, prescaled_keys=prescaled, prefetch_slots=prefetch)
@@ -160,7 +160,10 @@ def run_interpreter_cases() -> None:
     cpu = torch.device("cpu")
     for b, s_q, h_q, topk, context, splits, options in INTERPRETER_CASES:
         check_decode(*decode_inputs(b, s_q, h_q, topk, context, cpu, **options), num_splits=splits)
-    variant = sparse_decode.DecodeConfig(block_n=32, q_in_loop=True, split_dv=True, prefetch_slots=True)
+    exact = sparse_decode.DecodeConfig(prescaled_keys=False, prefetch_slots=False, num_stages=2)
+    check_decode(*decode_inputs(2, 2, 20, 128, 150, cpu, invalid=0.2), num_splits=2, config=exact)
+    variant = sparse_decode.DecodeConfig(block_n=32, q_in_loop=True, split_dv=True, prescaled_keys=False,
+                                         prefetch_slots=True)
     check_decode(*decode_inputs(1, 2, 20, 64, 80, cpu), num_splits=2, config=variant)
     prescaled = sparse_decode.DecodeConfig(block_n=32, prescaled_keys=True, prefetch_slots=True)
     check_decode(*decode_inputs(1, 2, 20, 96, 80, cpu, invalid=0.2), num_splits=2, config=prescaled)
