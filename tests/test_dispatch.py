@@ -89,7 +89,8 @@ def test_unimportable_target_is_unavailable_and_automatic_choice_falls_back(monk
     (dict(dtype=torch.float32), "bf16"),
     (dict(d_qk=192), "d_qk in (512, 576)"),
     (dict(d_v=128), "d_v == 512"),
-    (dict(topk=100), "multiple of 64"),
+    (dict(topk=100), None),  # decode: any topk
+    (dict(topk=100, topk_multiple=64), "multiple of 64"),  # forward and backward
     (dict(topk=8256), "up to 8192"),
     (dict(h_q=129), "at most 128 query heads"),
 ])

@@ -68,6 +68,7 @@ cuda = torch.device("cuda")
 GRID = [  # (b, s_q, h_q, topk, context)
     (1, 1, 128, 2048, 4096), (2, 2, 128, 512, 700), (8, 4, 64, 1024, 2000), (4, 3, 16, 64, 100),
     (3, 2, 20, 128, 300), (1, 4, 80, 256, 256), (128, 2, 128, 128, 512), (16, 1, 1, 64, 64),
+    (2, 2, 128, 100, 300), (5, 1, 32, 1, 40),  # topk not a multiple of 64
 ]
 
 
@@ -153,6 +154,7 @@ INTERPRETER_CASES = [  # (b, s_q, h_q, topk, context, num_splits, options): tiny
     (1, 2, 16, 64, 100, None, dict(invalid=0.3)),
     (2, 1, 20, 64, 50, 2, dict(out_of_range=0.3, duplicates=True)),
     (1, 1, 70, 128, 90, 3, {}),  # two head blocks, the second padded; topk > context
+    (2, 1, 16, 37, 60, 2, dict(invalid=0.2)),  # topk not a multiple of the step
 ]
 
 

@@ -8,11 +8,13 @@ natural-log sum-exp over the valid indices. An index < 0 or >= the number of kv 
 occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits = -inf.
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
-``triton`` (bf16, d_qk 512 or 576, d_v 512, topk a multiple of 64 up to 8192, h_q <= 128).
+``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
+backward a multiple of 64).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -32,23 +34,27 @@ TRITON_TOPK_MULTIPLE = 64
 TRITON_MAX_HEADS = 128
 
 
-def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, **_) -> Optional[str]:
+def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, topk_multiple: int = 1,
+                     **_) -> Optional[str]:
     """Why the Triton kernels cannot serve these shapes, or None when they can."""
     if dtype != torch.bfloat16:
         return f"triton takes bf16 inputs, got {dtype}"
     if d_qk not in TRITON_D_QK or d_v != TRITON_D_V:
         return f"triton needs d_qk in {TRITON_D_QK} and d_v == {TRITON_D_V}, got d_qk={d_qk}, d_v={d_v}"
-    if topk % TRITON_TOPK_MULTIPLE or topk > TRITON_MAX_TOPK:
-        return f"triton needs topk a multiple of {TRITON_TOPK_MULTIPLE} up to {TRITON_MAX_TOPK}, got {topk}"
+    if topk % topk_multiple or topk > TRITON_MAX_TOPK:
+        return f"triton needs topk a multiple of {topk_multiple} up to {TRITON_MAX_TOPK}, got {topk}"
     if h_q > TRITON_MAX_HEADS:
         return f"triton handles at most {TRITON_MAX_HEADS} query heads, got {h_q}"
     return None
 
 
-for _op, _module in (("sparse_mla_fwd", "sparse_fwd"), ("sparse_mla_bwd", "sparse_bwd"),
-                     ("sparse_mla_decode", "sparse_decode")):
+for _op, _module in (("sparse_mla_fwd", "sparse_fwd"), ("sparse_mla_bwd", "sparse_bwd")):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
-    dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", supports=_triton_supports)
+    dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}",
+                      supports=functools.partial(_triton_supports, topk_multiple=TRITON_TOPK_MULTIPLE))
+dispatch.register("sparse_mla_decode", "reference", f"{__name__}.reference:sparse_mla_decode")
+dispatch.register("sparse_mla_decode", "triton", f"{__name__}.triton.sparse_decode:sparse_mla_decode",
+                  supports=_triton_supports)  # decode masks the last step: any topk
 
 
 def _name(dtype: torch.dtype) -> str:
