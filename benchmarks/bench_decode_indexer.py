@@ -30,10 +30,13 @@ BS = 64  # cache block size
 DECODE = dict(b=128, s_q=2, h_q=128, topk=2048, s_kv=32768)
 DECODE_FLOOR = 200.0
 DECODE_CONFIGS = [  # (keys per step, warps, stages, q reloaded each step, d_v split over two launches,
-    #                   keys prescaled to bf16, slot ids prefetched a step ahead)
-    (64, 8, 2, False, False, False, False), (64, 8, 3, False, False, True, True), (64, 8, 2, False, False, True, True),
-    (64, 8, 3, False, False, True, False), (32, 8, 3, False, False, True, True), (32, 8, 4, False, False, True, True),
-    (64, 8, 1, False, False, False, False), (64, 8, 2, False, True, False, False),
+    #                   keys prescaled to bf16, slot ids prefetched a step ahead); the first is the default
+    (64, 8, 3, False, False, True, True), (64, 8, 2, False, False, True, True), (64, 8, 3, False, False, True, False),
+    (32, 8, 4, False, False, True, True), (64, 8, 2, False, False, False, False), (64, 8, 2, False, True, False, False),
+]
+SMALL_BATCH_CONFIGS = [  # split over the top-k with a combine
+    (64, 8, 3, False, False, True, True), (64, 8, 2, False, False, True, True), (64, 8, 2, False, False, True, False),
+    (64, 8, 1, False, False, True, False), (64, 8, 2, False, False, False, False),
 ]
 INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
 PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads on the dot's N)
@@ -64,7 +67,7 @@ def block_table(batch: int, blocks: int, device) -> torch.Tensor:
     return torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
 
 
-def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
+def bench_decode(device, b, s_q, h_q, topk, s_kv, configs=DECODE_CONFIGS) -> list[Row]:
     blocks = s_kv // BS
     pool = fp8_bytes((b * blocks, BS, 1, 656), device)
     pool.view(torch.float32)[..., 128:132].uniform_(1e-3, 1e-2)  # tile scales
@@ -78,7 +81,6 @@ def bench_decode(device, b, s_q, h_q, topk, s_kv, sweep=True) -> list[Row]:
     flops = b * s_q * 2 * h_q * topk * (576 + 512)
     shape = f"b={b} s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv // 1024}K"
     rows = []
-    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:2]  # the exact and the prescaled default candidates
     for block_n, warps, stages, q_in_loop, split_dv, prescaled, prefetch in tqdm(configs, desc=f"decode {shape}"):
         config = sparse_decode.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages, q_in_loop=q_in_loop,
                                             split_dv=split_dv, prescaled_keys=prescaled, prefetch_slots=prefetch)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbs = copy_bandwidth(device)
     rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
     steps = [lambda: bench_decode(device, **DECODE),
-             lambda: bench_decode(device, 4, 1, 128, 2048, 32768, sweep=False),
+             lambda: bench_decode(device, 4, 1, 128, 2048, 32768, SMALL_BATCH_CONFIGS),
              lambda: bench_indexer_decode(device, copy_gbs), lambda: bench_topk(device),
              lambda: bench_indexer_prefill(device), lambda: bench_writes(device)]
     for step in tqdm(steps, desc="benchmarks"):
