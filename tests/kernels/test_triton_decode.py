@@ -5,7 +5,8 @@ s_q 1..4 (MTP) and forced split-KV counts, plus corner cases (no valid slot, emp
 longer than the context, out-of-range slot ids) and a 64K-token context. Outputs the kernel
 allocates start as NaN (the caching allocator is flooded with NaN first). The CPU test runs tiny
 cases in a subprocess with TRITON_INTERPRET=1. The reference gets fp32 copies of q, so the only
-extra rounding the kernel does is P to bf16 before P @ V and out to bf16: FlashMLA tolerances.
+extra rounding the kernel does is P to bf16 before P @ V, out to bf16 and, by default
+(prescaled keys), each key to bf16: FlashMLA tolerances, except where a test says why not.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3, config=None,
 
 
 cuda = torch.device("cuda")
+FEW_KEYS_LSE_TOL = 3e-4
 GRID = [  # (b, s_q, h_q, topk, context)
     (1, 1, 128, 2048, 4096), (2, 2, 128, 512, 700), (8, 4, 64, 1024, 2000), (4, 3, 16, 64, 100),
     (3, 2, 20, 128, 300), (1, 4, 80, 256, 256), (128, 2, 128, 128, 512), (16, 1, 1, 64, 64),
@@ -75,7 +77,14 @@ GRID = [  # (b, s_q, h_q, topk, context)
 @pytest.mark.gpu
 @pytest.mark.parametrize("b, s_q, h_q, topk, context", GRID)
 def test_decode_matches_reference(b, s_q, h_q, topk, context):
-    check_decode(*decode_inputs(b, s_q, h_q, topk, context, cuda, invalid=0.1))
+    inputs = decode_inputs(b, s_q, h_q, topk, context, cuda, invalid=0.1)
+    if topk >= 64:
+        check_decode(*inputs)
+        return
+    # With a handful of keys the lse is about one score, which the default's bf16 keys move by up to
+    # 2^-9 * sm_scale * sum|q||k| (~3e-4 here): the exact path meets FlashMLA's lse tolerance.
+    check_decode(*inputs, lse_abs_tol=FEW_KEYS_LSE_TOL)
+    check_decode(*inputs, config=sparse_decode.DecodeConfig(prescaled_keys=False))
 
 
 @pytest.mark.gpu
