@@ -61,11 +61,6 @@ class DecodeConfig:
     min_tokens_per_split: int = 128
 
 
-# The default when the top-k is split over programs (small batches): each split is a few steps, so
-# the 3-stage prefetching pipeline's prologue does not pay (H200, b=4, s_q=1: 0.090 ms vs 0.107).
-SPLIT_CONFIG = DecodeConfig(num_stages=2, prefetch_slots=False)
-
-
 @triton.jit
 def _load_q(q_rows, head_ok, dr, TILE: tl.constexpr, PRESCALED: tl.constexpr):
     """q's latent as 4 tiles [BLOCK_H, 128] (for prescaled keys: one [BLOCK_H, 512] tile and three
@@ -271,14 +266,13 @@ def sparse_mla_decode(
     [b, s_q, topk] int32 slot ids -> (out [b, s_q, h_q, 512] bf16, lse [b, h_q, s_q] fp32).
 
     Inputs are validated by the public op; this backend needs d_qk 576 and d_v 512.
-    ``num_splits`` forces the split-KV count (tests); by default it follows ``config``. Without a
-    ``config``, launches whose top-k is split over programs use ``SPLIT_CONFIG``.
+    ``num_splits`` forces the split-KV count (tests); by default it follows ``config``.
     """
     if q.shape[-1] != D_QK or d_v != KV_LORA_RANK:
         raise ValueError(f"triton sparse_mla_decode needs d_qk {D_QK} and d_v {KV_LORA_RANK}, "
                          f"got {q.shape[-1]} and {d_v}")
-    chosen = config or DecodeConfig()
-    if chosen.prescaled_keys and chosen.split_dv:
+    config = config or DecodeConfig()
+    if config.prescaled_keys and config.split_dv:
         raise ValueError("config: prescaled_keys keeps one [heads, 512] accumulator, it cannot split_dv")
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
@@ -297,8 +291,7 @@ def sparse_mla_decode(
         return out, lse
     block_h = 64 if h_q > 32 else max(16, triton.next_power_of_2(h_q))
     head_blocks = triton.cdiv(h_q, block_h)
-    splits = num_splits or _num_splits(rows, head_blocks, topk, chosen)
-    config = chosen if config or splits == 1 else SPLIT_CONFIG  # short splits: a shallower pipeline pays
+    splits = num_splits or _num_splits(rows, head_blocks, topk, config)
     per_split = triton.cdiv(triton.cdiv(max(topk, 1), splits), config.block_n) * config.block_n
     splits = max(1, triton.cdiv(topk, per_split))
     direct = splits == 1
