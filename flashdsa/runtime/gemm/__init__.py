@@ -1,0 +1,91 @@
+"""FP8 block-scaled GEMM (DeepSeek-V3 style) and its quantizers: public functions, checks, dispatch.
+
+Weights are e4m3 with one fp32 scale per 128x128 block (``weight_scale_inv`` in the official
+checkpoints: ``w ~= w_fp8 * w_scale[n // 128, k // 128]``). Activations are quantized on the fly
+to e4m3 with one fp32 scale per token and 128 channels (``x ~= x_fp8 * x_scale[m, k // 128]``);
+DeepSeek-V3.2 uses power-of-two scales there (``scale_fmt: ue8m0``). The product accumulates in
+fp32. A last group narrower than 128 (K or N not a multiple of 128) is scaled by its own amax.
+
+Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device: dequantizes the
+operands of each call, never a whole model) and ``triton`` (CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime import dispatch
+from flashdsa.runtime.checks import check, check_tensor
+from flashdsa.runtime.fp8 import E4M3
+
+__all__ = ["GROUP", "quantize_activations", "quantize_weight", "fp8_gemm", "fp8_linear"]
+
+GROUP = 128  # channels per activation scale; rows and columns per weight-scale block
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+for _op in ("quantize_activations", "fp8_gemm"):
+    dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
+
+
+def _groups(n: int) -> int:
+    return -(-n // GROUP)
+
+
+def quantize_activations(x: torch.Tensor, *, pow2_scales: bool = False,
+                         backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x: [M, K]`` bf16/fp16/fp32 per token and 128 channels.
+
+    Returns ``(x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32)`` with
+    ``scale = amax / 448`` (amax clamped at 1e-4), rounded up to a power of two with ``pow2_scales``.
+    """
+    check_tensor("x", x, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [M, K]")
+    check(x.shape[1] > 0, f"x must have K > 0, got {list(x.shape)}")
+    impl = dispatch.select("quantize_activations", x.device, backend)
+    return impl(x, pow2_scales)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``w: [N, K]`` float to e4m3 with one ``amax / 448`` scale per 128x128 block, the
+    official checkpoints' format: returns ``(w_fp8: [N, K], w_scale: [ceil(N/128), ceil(K/128)] fp32)``."""
+    check_tensor("w", w, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [N, K]")
+    from flashdsa.runtime.gemm.reference import quantize_weight as impl
+
+    return impl(w)
+
+
+def _check_gemm(x_fp8, x_scale, w_fp8, w_scale) -> None:
+    check_tensor("x_fp8", x_fp8, E4M3, [None, None], "float8_e4m3fn [M, K]")
+    m, k = x_fp8.shape
+    device = x_fp8.device
+    check_tensor("x_scale", x_scale, torch.float32, [m, _groups(k)], f"fp32 [M={m}, ceil(K/128)={_groups(k)}]", device)
+    check_tensor("w_fp8", w_fp8, E4M3, [None, k], f"float8_e4m3fn [N, K={k}]", device)
+    n = w_fp8.shape[0]
+    check_tensor("w_scale", w_scale, torch.float32, [_groups(n), _groups(k)],
+                 f"fp32 [ceil(N/128)={_groups(n)}, ceil(K/128)={_groups(k)}]", device)
+
+
+def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16, *, backend: Optional[str] = None) -> torch.Tensor:
+    """``y = dequant(x_fp8, x_scale) @ dequant(w_fp8, w_scale)^T`` with fp32 accumulation.
+
+    x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32 (from :func:`quantize_activations`);
+    w_fp8: [N, K] e4m3, w_scale: [ceil(N/128), ceil(K/128)] fp32. Returns [M, N] ``out_dtype``
+    (bf16, fp16 or fp32).
+    """
+    _check_gemm(x_fp8, x_scale, w_fp8, w_scale)
+    check(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype}")
+    impl = dispatch.select("fp8_gemm", x_fp8.device, backend, m=x_fp8.shape[0], n=w_fp8.shape[0], k=x_fp8.shape[1])
+    return impl(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, pow2_scales: bool = False,
+               backend: Optional[str] = None) -> torch.Tensor:
+    """``x: [..., K]`` float through the block-scaled e4m3 weight ``w_fp8: [N, K]`` -> ``[..., N]`` in x's dtype:
+    :func:`quantize_activations` then :func:`fp8_gemm`."""
+    check(isinstance(x, torch.Tensor) and x.dim() >= 1, f"x must be a tensor [..., K], got {type(x).__name__}")
+    x2 = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
+    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
+    return y.view(*x.shape[:-1], w_fp8.shape[0])
