@@ -1,0 +1,177 @@
+"""Routed experts of DeepSeek's MoE with no host sync: routing, alignment by expert, grouped GEMMs.
+
+For T tokens, each routed to top_k of E experts (hidden H, intermediate I)::
+
+    router_logits [T, E] --select_experts--> weights [T, k] fp32, expert_ids [T, k] int32
+    fused_moe: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert_ids[t, j]
+
+A (token, slot) pair is the flat index ``p = t * top_k + j``. An expert id < 0 or >= E (under
+expert parallelism: an expert another rank owns) contributes nothing and is never dereferenced.
+On the triton backend nothing reads a device value back to the host and every size depends only
+on the input shapes, so a decode step built on these ops can be captured in a CUDA graph.
+
+Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device; loops over the
+experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 or FP8 e4m3 weights with
+128x128 block scales; E <= 1024). select_experts is torch ops on every device (no sync).
+Registered targets: ``{align_tokens, fused_moe}`` -> ``flashdsa.runtime.moe.reference:<op>``
+and ``flashdsa.runtime.moe.triton.{align,fused_moe}:<op>``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime import dispatch
+from flashdsa.runtime.checks import check, check_tensor, describe
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.moe import reference
+from flashdsa.runtime.moe.alignment import AlignedPairs, max_blocks
+
+__all__ = ["AlignedPairs", "align_tokens", "fused_moe", "max_blocks", "select_experts"]
+
+SCALE_GROUP = 128  # rows and columns per FP8 weight-scale block
+TRITON_MAX_EXPERTS = 1024  # the triton alignment holds one counter per expert in registers
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)  # float32: reference only
+
+
+def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequantized_fp8: bool = False,
+                     **_) -> Optional[str]:
+    if num_experts > TRITON_MAX_EXPERTS:
+        return f"triton MoE handles at most {TRITON_MAX_EXPERTS} experts, got {num_experts}"
+    if dtype != torch.bfloat16:
+        return f"triton MoE takes bf16 activations, got {dtype}"
+    if dequantized_fp8:
+        return "triton MoE runs FP8 weights on quantized activations only (quantize_activations=False)"
+    return None
+
+
+for _op, _module in (("align_tokens", "align"), ("fused_moe", "fused_moe")):
+    dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
+    dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", _triton_supports)
+
+
+def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
+    check(ok, f"{name} must be an int in [{low}, {'inf' if high is None else high}], got {value!r}")
+    return value
+
+
+def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                   norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 group-limited routing over sigmoid scores, on the device with no sync.
+
+    router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32, ``e_score_correction_bias``.
+    Scores ``s = sigmoid(logits)``; the choice ranks ``s + bias``: the ``topk_group`` of the
+    ``n_group`` equal groups with the largest sum of their two best are kept, then the ``top_k``
+    best experts inside them. Their uncorrected scores, divided by their sum (+1e-20) when
+    ``norm_topk_prob``, times ``routed_scaling_factor``, are the weights.
+    Returns (weights [T, top_k] fp32, expert_ids [T, top_k] int32), by descending ``s + bias``;
+    equal values (of experts and of groups) go to the lower index. NaN logits route arbitrarily.
+    """
+    check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]")
+    num_experts = router_logits.shape[1]
+    check_tensor("bias", bias, torch.float32, [num_experts], f"fp32 [E={num_experts}]", router_logits.device)
+    _check_int("n_group", n_group, 1, max(num_experts, 1))
+    check(num_experts % n_group == 0, f"n_group ({n_group}) must divide the number of experts ({num_experts})")
+    _check_int("topk_group", topk_group, 1, n_group)
+    per_group = num_experts // n_group
+    _check_int("top_k", top_k, 1, topk_group * per_group)
+    check(topk_group == n_group or per_group >= 2,
+          f"group-limited routing ranks groups by their two best experts: groups of {per_group} are too small")
+    check(isinstance(norm_topk_prob, bool), f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
+    is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
+    check(is_number and math.isfinite(routed_scaling_factor),
+          f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
+    return reference.select_experts(router_logits, bias, top_k, n_group, topk_group, norm_topk_prob,
+                                    float(routed_scaling_factor))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_expert_ids(expert_ids: object, tokens: Optional[int] = None,
+                      device: Optional[torch.device] = None) -> tuple[int, int]:
+    expected = f"int32 [T{'' if tokens is None else f'={tokens}'}, top_k >= 1]"
+    check_tensor("expert_ids", expert_ids, torch.int32, [tokens, None], expected, device)
+    check(expert_ids.shape[1] >= 1, f"expert_ids must be {expected}, got {describe(expert_ids)}")
+    return expert_ids.shape
+
+
+def align_tokens(expert_ids: torch.Tensor, num_experts: int, block_m: int, *,
+                 backend: Optional[str] = None) -> AlignedPairs:
+    """Sort the (token, slot) pairs by expert into ``block_m``-row blocks of one expert each.
+
+    expert_ids: [T, top_k] int32; num_experts: E >= 1; block_m: a power of two in [1, 256].
+    Returns :class:`AlignedPairs`: sorted_pairs [max_blocks(T*k, E, block_m) * block_m] int32 holds,
+    for expert 0, 1, ... in turn, its pairs in ascending order, padded with -1 to whole blocks;
+    block_experts [max_blocks] int32 the expert of each block. Blocks past the used ones have
+    expert -1 and rows -1. Pairs whose expert is < 0 or >= E appear nowhere.
+    """
+    tokens, top_k = _check_expert_ids(expert_ids)
+    _check_int("num_experts", num_experts, 1)
+    _check_int("block_m", block_m, 1, 256)
+    check(block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
+    num_blocks = max_blocks(tokens * top_k, num_experts, block_m)
+    impl = dispatch.select("align_tokens", expert_ids.device, backend, num_experts=num_experts)
+    return impl(expert_ids, num_experts, block_m, num_blocks)
+
+
+def _check_weights(x, w13, w2, w13_scale, w2_scale) -> None:
+    """w13: [E, 2I, H], w2: [E, H, I], both x's dtype, or both e4m3 with their block scales."""
+    hidden, device = x.shape[1], x.device
+    dtypes = (x.dtype, E4M3)
+    check_tensor("w13", w13, dtypes, [None, None, hidden], f"{_name(x.dtype)} or e4m3 [E, 2*I, H={hidden}]",
+                 device)
+    num_experts, two_inter = w13.shape[:2]
+    check(num_experts >= 1 and two_inter >= 2 and two_inter % 2 == 0,
+          f"w13 must stack gate and up rows [E >= 1, 2*I >= 2, H], got {list(w13.shape)}")
+    inter = two_inter // 2
+    check_tensor("w2", w2, w13.dtype, [num_experts, hidden, inter],
+                 f"{_name(w13.dtype)} [E={num_experts}, H={hidden}, I={inter}] like w13", device)
+    fp8 = w13.dtype == E4M3
+    for name, scale, rows, cols in (("w13_scale", w13_scale, two_inter, hidden), ("w2_scale", w2_scale, hidden, inter)):
+        if not fp8:
+            check(scale is None, f"{name} must be None for {w13.dtype} weights (only FP8 weights have scales)")
+            continue
+        shape = [num_experts, -(-rows // SCALE_GROUP), -(-cols // SCALE_GROUP)]
+        check_tensor(name, scale, torch.float32, shape, f"fp32 {shape} (one scale per 128x128 block)", device)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+              pow2_scales: bool = False, quantize_activations: bool = True, *, out: Optional[torch.Tensor] = None,
+              backend: Optional[str] = None) -> torch.Tensor:
+    """Routed experts of T tokens: ``out[t] = sum_j weights[t, j] * y(t, expert_ids[t, j])`` with
+    ``y(t, e) = w2[e] @ (silu(gate) * up)`` and ``[gate; up] = w13[e] @ x[t]``.
+
+    x: [T, H] bf16 (fp32: reference backend only). w13: [E, 2*I, H], gate rows then up rows;
+    w2: [E, H, I]; both x's dtype, or both float8_e4m3fn with w13_scale [E, ceil(2I/128),
+    ceil(H/128)] and w2_scale [E, ceil(H/128), ceil(I/128)] fp32 (``w ~= w_fp8 * scale`` per
+    128x128 block). With FP8 weights the activations are quantized per token and 128 channels by
+    ``runtime.gemm.quantize_activations`` (power-of-two scales with ``pow2_scales``); with
+    ``quantize_activations=False`` (reference backend only) the weights are dequantized instead
+    and multiplied in fp32, as a dequantized checkpoint would be. Both flags are ignored for bf16
+    weights. weights: [T, top_k] fp32; expert_ids: [T, top_k] int32, ids outside [0, E) skipped.
+    out: optional [T, H] buffer of x's dtype to write (a CUDA graph's static output).
+    Products accumulate in fp32; the intermediate ``silu(gate) * up`` and each pair's weighted
+    output are rounded to x's dtype; the sum over the k pairs is fp32. Returns out [T, H].
+    """
+    check_tensor("x", x, ACTIVATION_DTYPES, [None, None], "bf16/fp32 [T, H]")
+    tokens, hidden = x.shape
+    check(hidden >= 1, f"x must have H >= 1, got {list(x.shape)}")
+    _check_weights(x, w13, w2, w13_scale, w2_scale)
+    _, top_k = _check_expert_ids(expert_ids, tokens, x.device)
+    check_tensor("weights", weights, torch.float32, [tokens, top_k], f"fp32 [T={tokens}, top_k={top_k}]", x.device)
+    for name, flag in (("pow2_scales", pow2_scales), ("quantize_activations", quantize_activations)):
+        check(isinstance(flag, bool), f"{name} must be a bool, got {flag!r}")
+    if out is not None:
+        check_tensor("out", out, x.dtype, [tokens, hidden], f"{_name(x.dtype)} [T={tokens}, H={hidden}]",
+                     x.device)
+    dequantized_fp8 = w13.dtype == E4M3 and not quantize_activations
+    impl = dispatch.select("fused_moe", x.device, backend, num_experts=w13.shape[0], dtype=x.dtype,
+                           dequantized_fp8=dequantized_fp8)
+    return impl(x, w13, w2, weights, expert_ids, w13_scale, w2_scale, pow2_scales, quantize_activations, out)

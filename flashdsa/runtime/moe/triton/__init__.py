@@ -1,0 +1,1 @@
+"""Triton MoE kernels (registered lazily by ``flashdsa.runtime.moe``)."""

@@ -1,0 +1,105 @@
+"""Routed experts in Triton with no host sync: align, gate/up GEMM + SiLU, down GEMM, combine.
+
+Launches per call: the alignment (1, or 2 past 1024 pairs), the gate/up grouped GEMM with
+``silu(gate) * up`` in its epilogue, the down grouped GEMM scaling each pair by its routing weight,
+and the combine (the fp32 sum of each token's k pair rows); FP8 weights add the activation
+quantizer (``runtime.gemm.quantize_activations``) before each GEMM. Every buffer size follows from
+the shapes (the alignment's static block bound), so the call can be captured in a CUDA graph.
+
+The launch shape comes from :func:`choose_config`, by the mean number of pairs per expert: at
+decode (a few pairs per expert) the GEMMs stream each chosen expert's weights once, 16-row
+blocks and narrow column tiles spreading them over many programs; at prefill bigger tiles reuse
+them. ``benchmarks/bench_moe.py --sweep`` measures the candidates that fix this table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdsa.runtime.gemm import quantize_activations
+from flashdsa.runtime.moe.alignment import max_blocks
+from flashdsa.runtime.moe.triton.align import align_tokens
+from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
+
+COMBINE_BLOCK = 1024  # hidden columns per combine program
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Rows per aligned block (a power of two >= 16) and the two GEMMs' tiles."""
+
+    block_m: int
+    gate_up: Tile
+    down: Tile
+
+
+# (largest mean pairs per expert, bf16 config, FP8 config): the first row whose bound holds.
+# FP8 tiles keep block_k dividing 128 (one scale per step).
+HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig], ...] = (
+    (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
+     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (16, MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4)),
+     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+    (48, MoeConfig(32, Tile(64, 64, 4, 4), Tile(128, 64, 4, 4)),
+     MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3))),
+    (math.inf, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
+     MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3))),
+)
+
+
+def choose_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
+    """The launch shape for ``num_pairs`` (token, slot) pairs over ``num_experts`` experts."""
+    per_expert = num_pairs / num_experts
+    for bound, bf16_config, fp8_config in HEURISTIC:
+        if per_expert <= bound:
+            return fp8_config if fp8 else bf16_config
+    raise AssertionError("the last HEURISTIC row has no bound")
+
+
+@triton.jit
+def _combine_kernel(pair_out_ptr, expert_ids_ptr, out_ptr, hidden, num_experts, top_k, BLOCK_H: tl.constexpr):
+    """out[t] = fp32 sum of the rows of token t's valid pairs (pair rows of invalid ones are never read)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < hidden
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in range(top_k):
+        pair = token * top_k + j
+        expert = tl.load(expert_ids_ptr + pair)
+        valid = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(pair_out_ptr + pair * hidden + cols, mask=col_ok & valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+              pow2_scales: bool, quantize: bool, out: Optional[torch.Tensor], *,
+              config: Optional[MoeConfig] = None) -> torch.Tensor:
+    """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``);
+    ``config`` overrides :func:`choose_config` (benchmark sweeps)."""
+    tokens, hidden = x.shape
+    top_k = expert_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    out = torch.empty_like(x) if out is None else out
+    if tokens == 0:
+        return out
+    fp8 = w13_scale is not None
+    config = config or choose_config(tokens * top_k, num_experts, fp8)
+    num_blocks = max_blocks(tokens * top_k, num_experts, config.block_m)
+    aligned = align_tokens(expert_ids, num_experts, config.block_m, num_blocks)
+    a, a_scale = quantize_activations(x, pow2_scales=pow2_scales) if fp8 else (x, None)
+    h = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)  # aligned rows
+    grouped_gemm(a, a_scale, w13, w13_scale, h, aligned, top_k, config.gate_up, gated=True)
+    h, h_scale = quantize_activations(h, pow2_scales=pow2_scales) if fp8 else (h, None)
+    pair_out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    grouped_gemm(h, h_scale, w2, w2_scale, pair_out, aligned, top_k, config.down, gated=False,
+                 route_weights=weights.view(-1))
+    grid = (tokens, triton.cdiv(hidden, COMBINE_BLOCK))
+    _combine_kernel[grid](pair_out, expert_ids, out, hidden, num_experts, top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)
+    return out

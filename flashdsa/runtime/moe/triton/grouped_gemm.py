@@ -1,0 +1,148 @@
+"""Grouped expert GEMM in Triton: one launch multiplies every block of aligned rows by its expert.
+
+Program (block, column tile) reads the block's expert from ``block_experts`` and exits at once
+for an unused block (-1), so the grid can cover the static :func:`max_blocks` bound. Its rows are
+activations gathered by token (``pair // top_k``) in the gate/up GEMM (``GATED``) or taken in
+aligned order in the down GEMM; padding rows (-1) load zeros. ``GATED`` runs the gate and up rows
+of the stacked ``[E, 2n, K]`` weight as two accumulators and stores ``silu(gate) * up``; ``WEIGHTED`` scales
+each row by its pair's routing weight and stores it at the pair's row. FP8 operands (e4m3) carry
+fp32 scales per token and 128 channels (activations) and per 128x128 block (weights): each
+BLOCK_K step (BLOCK_K divides 128) adds its dot times both scales to the fp32 accumulator.
+Program ids walk ``GROUP_M`` blocks down one column tile before the next tile, so a group's
+activations and an expert's weight tile are reused from L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdsa.runtime.moe.alignment import AlignedPairs
+
+SCALE_GROUP = 128
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Launch shape of one grouped GEMM (the row block, block_m, is the alignment's)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+@triton.jit
+def _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_row, stride_scale_row,
+                      FP8: tl.constexpr, SCALE_GROUP: tl.constexpr):
+    """Weight rows ``rows`` x columns ``ks`` and, for FP8, each row's scale of this 128-column group."""
+    w = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_row + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0)
+    scale = 1.0
+    if FP8:
+        scale = tl.load(w_scale_base + (rows // SCALE_GROUP) * stride_scale_row + k0 // SCALE_GROUP, mask=row_ok,
+                        other=0.0)
+    return w, scale
+
+
+@triton.jit
+def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
+    if FP8:
+        return acc + tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, route_weights_ptr,
+    n, k, num_blocks, top_k,
+    stride_a, stride_a_scale, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row, stride_out,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(n, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first, GROUP_M)
+    block = first + (pid % per_group) % group_rows
+    tile_n = (pid % per_group) // group_rows
+    expert = tl.load(block_experts_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    live = pairs >= 0
+    if GATED:  # the gate/up GEMM gathers each pair's token
+        a_rows = tl.where(live, pairs // top_k, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
+    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
+        a_scale = 1.0
+        if FP8:
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
+        w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
+                                       stride_scale_row, FP8, SCALE_GROUP)
+        acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
+        if GATED:
+            w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, stride_w_row,
+                                           stride_scale_row, FP8, SCALE_GROUP)
+            acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:  # the pair's row of the output, scaled by its routing weight
+        acc = acc * tl.load(route_weights_ptr + pairs, mask=live, other=0.0)[:, None]
+        out_rows = pairs
+        store = live[:, None] & col_ok[None, :]
+    else:  # the aligned row; padding rows get zeros, so every row of a used block is written
+        out_rows = rows
+        store = col_ok[None, :]
+    out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=store)
+
+
+def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: Optional[torch.Tensor],
+                 out: torch.Tensor, aligned: AlignedPairs, top_k: int, tile: Tile, *, gated: bool,
+                 route_weights: Optional[torch.Tensor] = None) -> None:
+    """Write ``out`` from every used block of ``aligned`` (block_m = len(sorted_pairs) / len(block_experts)).
+
+    a: [T, K] (gathered by token: the gate/up GEMM, ``gated``) or [rows, K] in aligned order (the
+    down GEMM, with ``route_weights``: [T * top_k] fp32); bf16, or e4m3 with ``a_scale``
+    [., ceil(K/128)] fp32. w: [E, N, K] (``gated``: [E, 2n, K], gate rows then up rows), bf16 or
+    e4m3 with ``w_scale`` [E, ceil(N/128), ceil(K/128)]. out: [rows, n] in aligned order, or with
+    ``route_weights`` [T * top_k, N] at each pair's row (rows of invalid pairs are not written).
+    """
+    fp8 = a_scale is not None
+    num_blocks = aligned.block_experts.numel()
+    block_m = aligned.sorted_pairs.numel() // max(num_blocks, 1)
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    if num_blocks == 0:
+        return
+    assert not fp8 or SCALE_GROUP % tile.block_k == 0, f"FP8 needs block_k dividing {SCALE_GROUP}, got {tile.block_k}"
+    weighted = route_weights is not None
+    grid = (num_blocks * triton.cdiv(n, tile.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, aligned.sorted_pairs, aligned.block_experts,
+        route_weights if weighted else out, n, k, num_blocks, top_k,
+        a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
+        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
+        GATED=gated, WEIGHTED=weighted, FP8=fp8, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_M=tile.group_m, SCALE_GROUP=SCALE_GROUP,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
