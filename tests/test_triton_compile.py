@@ -111,3 +111,26 @@ def test_indexer_and_cache_kernels_compile_for_hopper(launches):
     writes.write_indexer_cache(torch.randn(16, 128).bfloat16(), pool, slots)
     assert compile_all(launches) == ["_collect_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
                                      "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
+
+
+def test_moe_kernels_compile_for_hopper(launches):
+    """Every launch shape of the MoE heuristic (bf16 and FP8) and both alignment paths, at V3.2 widths
+    (the weights are left uninitialised: nothing runs)."""
+    from flashdsa.runtime.moe.triton import align, fused_moe
+
+    experts, hidden, inter, top_k = 4, 7168, 2048, 8
+    x = torch.randn(3, hidden).bfloat16()
+    ids = torch.randint(0, experts, (3, top_k), dtype=torch.int32)
+    weights = torch.rand(3, top_k)
+    stacks = {False: (torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16),
+                      torch.empty(experts, hidden, inter, dtype=torch.bfloat16), None, None),
+              True: (torch.empty(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
+                     torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn),
+                     torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128))}
+    for _, bf16_config, fp8_config in fused_moe.HEURISTIC:
+        for fp8, config in ((False, bf16_config), (True, fp8_config)):
+            w13, w2, w13_scale, w2_scale = stacks[fp8]
+            fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config)
+    many = torch.randint(0, 256, (4096, top_k), dtype=torch.int32)
+    align.align_tokens(many, 256, 64, 4096)  # several chunks: the count launch too
+    assert compile_all(launches) == ["_combine_kernel", "_count_kernel", "_grouped_gemm_kernel", "_place_kernel"]

@@ -85,12 +85,12 @@ def _place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_experts_ptr, chunk_size
     for b0 in range(chunk * STEP_BLOCKS, num_blocks, num_chunks * STEP_BLOCKS):
         block = b0 + tl.arange(0, STEP_BLOCKS)
         owner = tl.sum((block_end[None, :] <= block[:, None]).to(tl.int32), 1)  # E_PAD past the used blocks
-        end = tl.sum(tl.where(owner[:, None] == experts[None, :], filled_end[None, :], 0), 1)
+        owner_end = tl.sum(tl.where(owner[:, None] == experts[None, :], filled_end[None, :], 0), 1)
         inside = block < num_blocks
         tl.store(block_experts_ptr + block, tl.where(owner < num_experts, owner, -1), mask=inside)
         rows = block[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         padding = tl.full([STEP_BLOCKS, BLOCK_M], -1, tl.int32)
-        tl.store(sorted_ptr + rows, padding, mask=inside[:, None] & (rows >= end[:, None]))
+        tl.store(sorted_ptr + rows, padding, mask=inside[:, None] & (rows >= owner_end[:, None]))
 
 
 def align_tokens(expert_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int, *,

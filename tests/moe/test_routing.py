@@ -1,0 +1,110 @@
+"""select_experts against a plain, per-token re-statement of DeepSeek-V3's group-limited routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashdsa.runtime.moe import select_experts
+from moe_cases import SEED, generator
+
+
+def restated(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
+             factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token in fp32 NumPy: rank groups by the sum of their two best ``s + bias`` (ties to
+    the lower group), keep ``topk_group``, take the ``top_k`` best experts in them (ties to the
+    lower expert), weight them by their sigmoid scores."""
+    scores = logits.sigmoid().numpy()  # the same fp32 sigmoid the op uses: ranking starts here
+    choice = scores + bias.numpy()
+    per_group = logits.shape[1] // n_group
+    all_ids, all_weights = [], []
+    for s, c in zip(scores, choice):
+        groups = [c[g * per_group:(g + 1) * per_group] for g in range(n_group)]
+        group_score = [np.float32(sorted(grp)[-1]) + np.float32(sorted(grp)[-2]) if per_group > 1 else grp[0]
+                       for grp in groups]
+        kept = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
+        ids = sorted(candidates, key=lambda e: (-c[e], e))[:top_k]
+        w = np.array([s[e] for e in ids], dtype=np.float64)
+        if norm:
+            w = w / (w.sum() + 1e-20)
+        all_ids.append(ids)
+        all_weights.append(w * factor)
+    shape = (logits.shape[0], top_k)
+    return torch.tensor(np.array(all_weights).reshape(shape)), torch.tensor(all_ids, dtype=torch.int32).view(shape)
+
+
+def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5):
+    weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor)
+    want_weights, want_ids = restated(logits.cpu(), bias.cpu(), top_k, n_group, topk_group, norm, factor)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu(), want_ids), f"seed {SEED}: experts differ in {int((ids.cpu() != want_ids).sum())} places"
+    torch.testing.assert_close(weights.cpu().double(), want_weights, rtol=1e-6, atol=1e-7, msg=f"seed {SEED}")
+
+
+def tied_logits(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
+    """Logits from 5 values, so experts tie and groups tie on their two-best sums."""
+    return (torch.randint(-2, 3, (tokens, experts), generator=g).float() * 0.5)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group", [
+    (7, 256, 8, 8, 4),  # DeepSeek-V3.2
+    (5, 64, 6, 1, 1),  # no groups
+    (9, 16, 4, 4, 4),  # every group kept: plain top-k
+    (3, 12, 2, 6, 1),  # groups of two, one kept
+    (4, 20, 8, 5, 2),  # top_k takes every expert of the kept groups
+    (1, 1, 1, 1, 1),
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_routing_matches_the_restated_math(tokens, experts, top_k, n_group, topk_group, ties):
+    g = generator(tokens, experts, top_k, n_group, ties)
+    logits = tied_logits(tokens, experts, g) if ties else torch.randn(tokens, experts, generator=g) * 2
+    bias = torch.zeros(experts) if ties else torch.randn(experts, generator=g) * 0.1
+    check_routing(logits, bias, top_k, n_group, topk_group)
+
+
+def test_weights_without_normalization_are_scaled_scores():
+    g = generator(1)
+    logits, bias = torch.randn(6, 32, generator=g), torch.randn(32, generator=g) * 0.1
+    check_routing(logits, bias, 4, 4, 2, norm=False, factor=1.5)
+    weights, ids = select_experts(logits, bias, 4, 4, 2, False, 1.5)
+    torch.testing.assert_close(weights, logits.sigmoid().gather(1, ids.long()) * 1.5)
+
+
+def test_no_tokens():
+    weights, ids = select_experts(torch.zeros(0, 16), torch.zeros(16), 2, 4, 2, True, 1.0)
+    assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.gpu
+def test_routing_on_gpu_matches_and_never_syncs():
+    g = generator(2)
+    logits, bias = tied_logits(300, 256, g), torch.randn(256, generator=g) * 0.01
+    check_routing(logits.cuda(), bias.cuda(), 8, 8, 4)
+    logits, bias = logits.cuda(), bias.cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        select_experts(logits, bias, 8, 8, 4, True, 2.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 [T, E]"),
+    (dict(bias=torch.zeros(7)), "bias must be fp32 [E=8]"),
+    (dict(n_group=3), "n_group (3) must divide the number of experts (8)"),
+    (dict(n_group=0), "n_group must be an int in [1, 8]"),
+    (dict(topk_group=5), "topk_group must be an int in [1, 4]"),
+    (dict(top_k=5), "top_k must be an int in [1, 4]"),
+    (dict(top_k=True), "top_k must be an int"),
+    (dict(n_group=8, topk_group=2, top_k=2), "groups of 1 are too small"),
+    (dict(norm_topk_prob=1), "norm_topk_prob must be a bool"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a finite number"),
+])
+def test_bad_arguments_name_themselves(change, message):
+    args = dict(router_logits=torch.zeros(2, 8), bias=torch.zeros(8), top_k=2, n_group=4, topk_group=2,
+                norm_topk_prob=True, routed_scaling_factor=1.0) | change
+    with pytest.raises(ValueError) as e:
+        select_experts(**args)
+    assert message in str(e.value)
