@@ -1,0 +1,237 @@
+"""fused_moe (Triton) at DeepSeek-V3.2's routed-expert shape: E=256, top-8, H=7168, I=2048.
+
+For T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2 activation
+scales), routed by select_experts on random logits:
+- decode (T <= 128): device time of one call replayed from a CUDA graph (as decode runs it),
+  and the bytes of the experts the batch chose (w13 + w2 + scales of each distinct expert) over
+  that time, against the copy bandwidth measured in the same run;
+- prefill (T = 4096): TFLOPS (2 * T * k * 3 * H * I) against a dense GEMM of the same FLOPs in the
+  same run (torch.matmul for bf16, torch._scaled_mm with per-tensor scales for FP8);
+- kernel launches per call (torch profiler) and the per-kernel split; select_experts' time and
+  launches, as a share of the bf16 MoE time (a fused routing kernel is worth it only if large).
+``--sweep`` times each grouped GEMM alone for every candidate block_m and tile at each (T, dtype)
+and reports the best against the current heuristic (ratio < 1: the candidate is faster), logging
+each best as a ``MoeConfig``, so one GPU run fixes ``flashdsa.runtime.moe.triton.fused_moe.HEURISTIC``.
+
+    python3 benchmarks/bench_moe.py [--sweep] [--dtype bf16|fp8|both] [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.bench_decode_indexer import copy_bandwidth
+from benchmarks.common import Row, kernel_split, median_ms, output_parser, report
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import quantize_activations
+from flashdsa.runtime.moe import max_blocks, select_experts
+from flashdsa.runtime.moe.triton import align, fused_moe
+from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
+from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
+
+log = logging.getLogger("bench_moe")
+E, TOP_K, H, I = 256, 8, 7168, 2048
+N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
+TOKENS = (1, 32, 128, 4096)
+DECODE_MAX = 128
+INPUT_SETS = 4
+SWEEP_BLOCK_M = {1: (16,), 32: (16, 32), 128: (16, 32, 64), 4096: (32, 64, 128)}
+SMALL_TILES = [Tile(32, 128, 4, 4), Tile(64, 128, 4, 4), Tile(64, 64, 4, 4), Tile(128, 64, 4, 4), Tile(64, 128, 4, 5),
+               Tile(64, 128, 4, 3),
+               Tile(128, 128, 4, 3), Tile(64, 128, 8, 4), Tile(32, 256, 4, 3), Tile(16, 256, 4, 4)]
+LARGE_TILES = [Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), Tile(128, 128, 8, 3), Tile(64, 128, 4, 4),
+               Tile(256, 64, 8, 3), Tile(128, 64, 8, 4), Tile(128, 128, 4, 3), Tile(128, 32, 4, 5)]
+
+
+def make_experts(fp8: bool, device) -> dict:
+    """w13 [E, 2I, H], w2 [E, H, I] about N(0, 1/K), bf16 or e4m3 + block scales, made per expert."""
+    experts = {}
+    for name, (rows, cols) in (("w13", (2 * I, H)), ("w2", (H, I))):
+        w = torch.empty(E, rows, cols, dtype=E4M3 if fp8 else torch.bfloat16, device=device)
+        for e in range(E):
+            w[e] = torch.randn(rows, cols, device=device) * (1.0 if fp8 else cols**-0.5)
+        experts[name] = w
+        if fp8:
+            experts[name + "_scale"] = (torch.rand(E, rows // 128, cols // 128, device=device) + 0.5) * cols**-0.5
+    return experts
+
+
+def routed_inputs(tokens: int, device) -> list[dict]:
+    """INPUT_SETS of (x, weights, expert_ids) routed by select_experts."""
+    sets = []
+    for _ in range(INPUT_SETS):
+        logits = torch.randn(tokens, E, device=device)
+        bias = torch.randn(E, device=device) * 0.01
+        weights, ids = select_experts(logits, bias, TOP_K, N_GROUP, TOPK_GROUP, True, SCALING)
+        sets.append(dict(x=torch.randn(tokens, H, device=device, dtype=torch.bfloat16), weights=weights,
+                         expert_ids=ids, logits=logits, bias=bias))
+    return sets
+
+
+def expert_bytes(experts: dict) -> int:
+    return sum(t[0].numel() * t.element_size() for t in experts.values())
+
+
+def count_launches(call) -> int:
+    """Kernels (and memsets/copies) one ``call`` puts on the device."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def moe_call(inputs: dict, experts: dict, fp8: bool, config=None):
+    return lambda: fused_moe.fused_moe(inputs["x"], experts["w13"], experts["w2"], inputs["weights"],
+                                       inputs["expert_ids"], experts.get("w13_scale"), experts.get("w2_scale"),
+                                       fp8, True, None, config=config)
+
+
+def graph_ms(calls) -> float:
+    """Median device time of the calls replayed from CUDA graphs (one graph per input set)."""
+    graphs = []
+    for call in calls:
+        call()  # compile and allocate outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        graphs.append(graph)
+    return median_ms([g.replay for g in graphs])
+
+
+def dense_anchor_tflops(tokens: int, fp8: bool, device) -> float:
+    """A dense GEMM of the MoE's gate/up FLOPs: [T*k, H] x [H, 2I], torch's fastest of that dtype."""
+    a = torch.randn(tokens * TOP_K, H, device=device).to(E4M3 if fp8 else torch.bfloat16)
+    b = torch.randn(2 * I, H, device=device).to(a.dtype)
+    one = torch.ones((), device=device)
+    call = ((lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)) if fp8
+            else (lambda: a @ b.T))
+    return 2 * a.shape[0] * H * 2 * I / median_ms([call]) / 1e9
+
+
+def bench_fused(fp8: bool, experts: dict, copy_gbs: float, device) -> tuple[list[Row], dict[int, float]]:
+    rows, times = [], {}
+    label = "FP8" if fp8 else "bf16"
+    for tokens in TOKENS:
+        sets = routed_inputs(tokens, device)
+        calls = [moe_call(s, experts, fp8) for s in sets]
+        eager = median_ms(calls)
+        launches = count_launches(calls[0])
+        config = fused_moe.choose_config(tokens * TOP_K, E, fp8)
+        shape = f"T={tokens} E={E} k={TOP_K} H={H} I={I}"
+        flops = 2 * tokens * TOP_K * 3 * H * I
+        note = f"{launches} launches; block_m {config.block_m}; {kernel_split(calls[0], top=4)}"
+        if tokens <= DECODE_MAX:
+            ms = graph_ms(calls)
+            chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
+            gbs = chosen * expert_bytes(experts) / ms / 1e6
+            rows.append(Row(f"fused_moe {label}, CUDA graph", shape, ms, gbs, "GB/s", copy_gbs,
+                            f"{chosen:.0f} experts chosen; eager {eager:.3f} ms; {flops / ms / 1e9:.1f} TFLOPS; {note}"))
+        else:
+            ms = eager
+            anchor = dense_anchor_tflops(tokens, fp8, device)
+            rows.append(Row(f"fused_moe {label}", shape, ms, flops / ms / 1e9, "TFLOPS", anchor,
+                            f"vs dense {'torch._scaled_mm' if fp8 else 'torch.matmul'} {anchor:.0f} TFLOPS; {note}"))
+        times[tokens] = ms
+    return rows, times
+
+
+def bench_routing(moe_ms: dict[int, float], device) -> list[Row]:
+    rows = []
+    for tokens in TOKENS:
+        sets = routed_inputs(tokens, device)
+        calls = [lambda s=s: select_experts(s["logits"], s["bias"], TOP_K, N_GROUP, TOPK_GROUP, True, SCALING)
+                 for s in sets]
+        ms = graph_ms(calls) if tokens <= DECODE_MAX else median_ms(calls)
+        rows.append(Row("select_experts (torch)", f"T={tokens} E={E} groups {N_GROUP}/{TOPK_GROUP}", ms, ms * 1e3, "us",
+                        moe_ms[tokens] * 1e3, f"{count_launches(calls[0])} launches; target: the bf16 fused_moe time"))
+    return rows
+
+
+def gemm_times(block_m: int, tiles: dict[str, list[Tile]], inputs: dict, experts: dict, fp8: bool,
+               ) -> tuple[float, dict[str, list[tuple[float, Tile]]]]:
+    """The alignment's time, and each grouped GEMM's time alone per candidate tile, fastest first."""
+    device = inputs["x"].device
+    tokens = inputs["x"].shape[0]
+    ids, weights = inputs["expert_ids"], inputs["weights"].view(-1)
+    a, a_scale = quantize_activations(inputs["x"], pow2_scales=True) if fp8 else (inputs["x"], None)
+    blocks = max_blocks(tokens * TOP_K, E, block_m)
+    aligned = align.align_tokens(ids, E, block_m, blocks)
+    align_ms = median_ms([lambda: align.align_tokens(ids, E, block_m, blocks)])
+    h = torch.randn(blocks * block_m, I, device=device, dtype=torch.bfloat16)
+    h_in, h_scale = quantize_activations(h, pow2_scales=True) if fp8 else (h, None)
+    pair_out = torch.empty(tokens * TOP_K, H, device=device, dtype=torch.bfloat16)
+    gemms = {"gate_up": lambda tile: grouped_gemm(a, a_scale, experts["w13"], experts.get("w13_scale"), h, aligned,
+                                                  TOP_K, tile, gated=True),
+             "down": lambda tile: grouped_gemm(h_in, h_scale, experts["w2"], experts.get("w2_scale"), pair_out, aligned,
+                                               TOP_K, tile, gated=False, route_weights=weights)}
+    results = {}
+    for name, gemm in gemms.items():
+        results[name] = []
+        for tile in tiles[name]:
+            try:
+                results[name].append((median_ms([lambda: gemm(tile)], iters=20), tile))
+            except Exception as e:  # e.g. out of shared memory: skip the candidate
+                log.warning("%s %s: %s", name, tile, str(e).splitlines()[0][:160])
+        results[name].sort(key=lambda pair: pair[0])
+    return align_ms, results
+
+
+def sweep(fp8: bool, experts: dict, device) -> list[Row]:
+    """Per T and candidate block_m: the fastest tile of each GEMM, against the current heuristic."""
+    rows = []
+    label = "FP8" if fp8 else "bf16"
+    for tokens in TOKENS:
+        inputs = routed_inputs(tokens, device)[0]
+        current = fused_moe.choose_config(tokens * TOP_K, E, fp8)
+        align_ms, now = gemm_times(current.block_m, {"gate_up": [current.gate_up], "down": [current.down]},
+                                   inputs, experts, fp8)
+        heuristic_ms = align_ms + now["gate_up"][0][0] + now["down"][0][0]
+        for block_m in SWEEP_BLOCK_M[tokens]:
+            candidates = [t for t in (SMALL_TILES if block_m <= 32 else LARGE_TILES) if not fp8 or 128 % t.block_k == 0]
+            align_ms, best = gemm_times(block_m, {"gate_up": candidates, "down": candidates}, inputs, experts, fp8)
+            if not best["gate_up"] or not best["down"]:
+                continue
+            total = align_ms + best["gate_up"][0][0] + best["down"][0][0]
+            note = "; ".join(f"{name}: " + ", ".join(f"{_tile(t)} {ms:.3f}" for ms, t in times[:3])
+                             for name, times in best.items())
+            rows.append(Row(f"sweep {label}", f"T={tokens} block_m={block_m}", total, total * 1e3, "us",
+                            heuristic_ms * 1e3, f"align {align_ms:.3f} ms; {note}; target: the heuristic's time"))
+            log.info("best %s T=%d: %s", label, tokens,
+                     MoeConfig(block_m, best["gate_up"][0][1], best["down"][0][1]))
+    return rows
+
+
+def _tile(t: Tile) -> str:
+    return f"n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = output_parser(__doc__)
+    parser.add_argument("--sweep", action="store_true", help="time every candidate launch shape of both GEMMs")
+    parser.add_argument("--dtype", choices=("bf16", "fp8", "both"), default="both", help="weights to run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    device = torch.device("cuda")
+    copy_gbs = copy_bandwidth(device)
+    rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
+    moe_ms = {}
+    for fp8 in tqdm([fp8 for fp8 in (False, True) if args.dtype in ("both", "fp8" if fp8 else "bf16")], desc="dtypes"):
+        experts = make_experts(fp8, device)
+        if args.sweep:
+            rows += sweep(fp8, experts, device)
+        else:
+            fused_rows, times = bench_fused(fp8, experts, copy_gbs, device)
+            rows += fused_rows
+            moe_ms = moe_ms or times
+        del experts
+        torch.cuda.empty_cache()
+    if moe_ms:
+        rows += bench_routing(moe_ms, device)
+    report("Grouped MoE sweep (Triton)" if args.sweep else "Grouped MoE (Triton)", rows, args.output)
+
+
+if __name__ == "__main__":
+    main()
