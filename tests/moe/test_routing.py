@@ -92,7 +92,8 @@ def test_routing_on_gpu_matches_and_never_syncs():
 
 @pytest.mark.parametrize("change, message", [
     (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 [T, E]"),
-    (dict(bias=torch.zeros(7)), "bias must be fp32 [E=8]"),
+    (dict(bias=torch.zeros(7)), "bias must be fp32 (or bf16/fp16) [E=8]"),
+    (dict(bias=torch.zeros(8, dtype=torch.int32)), "bias must be fp32 (or bf16/fp16) [E=8]"),
     (dict(n_group=3), "n_group (3) must divide the number of experts (8)"),
     (dict(n_group=0), "n_group must be an int in [1, 8]"),
     (dict(topk_group=5), "topk_group must be an int in [1, 4]"),

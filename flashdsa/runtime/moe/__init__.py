@@ -63,7 +63,8 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
                    norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 group-limited routing over sigmoid scores, on the device with no sync.
 
-    router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32, ``e_score_correction_bias``.
+    router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32 (bf16/fp16 widened),
+    ``e_score_correction_bias``.
     Scores ``s = sigmoid(logits)``; the choice ranks ``s + bias``: the ``topk_group`` of the
     ``n_group`` equal groups with the largest sum of their two best are kept, then the ``top_k``
     best experts inside them. Their uncorrected scores, divided by their sum (+1e-20) when
@@ -73,7 +74,8 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     """
     check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]")
     num_experts = router_logits.shape[1]
-    check_tensor("bias", bias, torch.float32, [num_experts], f"fp32 [E={num_experts}]", router_logits.device)
+    check_tensor("bias", bias, (torch.float32, torch.bfloat16, torch.float16), [num_experts],
+                 f"fp32 (or bf16/fp16) [E={num_experts}]", router_logits.device)
     _check_int("n_group", n_group, 1, max(num_experts, 1))
     check(num_experts % n_group == 0, f"n_group ({n_group}) must divide the number of experts ({num_experts})")
     _check_int("topk_group", topk_group, 1, n_group)
@@ -85,7 +87,7 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
     check(is_number and math.isfinite(routed_scaling_factor),
           f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
-    return reference.select_experts(router_logits, bias, top_k, n_group, topk_group, norm_topk_prob,
+    return reference.select_experts(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob,
                                     float(routed_scaling_factor))
 
 
