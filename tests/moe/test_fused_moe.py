@@ -71,7 +71,7 @@ def base_args() -> dict:
     (dict(w13=torch.zeros(4, 15, 16, dtype=torch.bfloat16)), "w13 must stack gate and up rows"),
     (dict(w2=torch.zeros(4, 16, 9, dtype=torch.bfloat16)), "w2 must be bfloat16 [E=4, H=16, I=8] like w13"),
     (dict(w2=torch.zeros(4, 16, 8, dtype=torch.float8_e4m3fn)), "w2 must be bfloat16 [E=4, H=16, I=8] like w13"),
-    (dict(w13_scale=torch.ones(4, 1, 1)), "w13_scale must be None for torch.bfloat16 weights"),
+    (dict(w13_scale=torch.ones(4, 1, 1)), "w13_scale must be None for bfloat16 weights"),
     (dict(weights=torch.zeros(3, 2, dtype=torch.bfloat16)), "weights must be fp32 [T=3, top_k=2]"),
     (dict(weights=torch.zeros(3, 3)), "weights must be fp32 [T=3, top_k=2]"),
     (dict(expert_ids=torch.zeros(4, 2, dtype=torch.int32)), "expert_ids must be int32 [T=3, top_k >= 1]"),

@@ -137,7 +137,7 @@ def _check_weights(x, w13, w2, w13_scale, w2_scale) -> None:
     fp8 = w13.dtype == E4M3
     for name, scale, rows, cols in (("w13_scale", w13_scale, two_inter, hidden), ("w2_scale", w2_scale, hidden, inter)):
         if not fp8:
-            check(scale is None, f"{name} must be None for {w13.dtype} weights (only FP8 weights have scales)")
+            check(scale is None, f"{name} must be None for {_name(w13.dtype)} weights (only FP8 weights have scales)")
             continue
         shape = [num_experts, -(-rows // SCALE_GROUP), -(-cols // SCALE_GROUP)]
         check_tensor(name, scale, torch.float32, shape, f"fp32 {shape} (one scale per 128x128 block)", device)

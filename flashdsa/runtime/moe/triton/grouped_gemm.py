@@ -1,13 +1,17 @@
 """Grouped expert GEMM in Triton: one launch multiplies every block of aligned rows by its expert.
 
 Program (block, column tile) reads the block's expert from ``block_experts`` and exits at once
-for an unused block (-1), so the grid can cover the static :func:`max_blocks` bound. Its rows are
-activations gathered by token (``pair // top_k``) in the gate/up GEMM (``GATED``) or taken in
-aligned order in the down GEMM; padding rows (-1) load zeros. ``GATED`` runs the gate and up rows
-of the stacked ``[E, 2n, K]`` weight as two accumulators and stores ``silu(gate) * up``; ``WEIGHTED`` scales
-each row by its pair's routing weight and stores it at the pair's row. FP8 operands (e4m3) carry
-fp32 scales per token and 128 channels (activations) and per 128x128 block (weights): each
-BLOCK_K step (BLOCK_K divides 128) adds its dot times both scales to the fp32 accumulator.
+for an unused block (-1), so the grid can cover the static :func:`max_blocks` bound. Its rows
+are activations gathered by token (``pair // top_k``) in the gate/up GEMM (``GATED``) or taken
+in aligned order in the down GEMM; padding rows (-1) load zeros. ``GATED`` runs the gate and up
+rows of the stacked ``[E, 2n, K]`` weight as two accumulators and stores ``silu(gate) * up``;
+``WEIGHTED`` scales each row by its pair's routing weight and stores it at the pair's row.
+
+FP8 operands (e4m3) carry fp32 scales per token and 128 channels (activations) and per 128x128
+block (weights): each BLOCK_K step (BLOCK_K divides 128) adds its dot times both scales to the
+fp32 accumulator. On SM90 an FP8 dot adds inside its step with reduced precision and is promoted
+to fp32 once per step, as DeepGEMM promotes once per 128.
+
 Program ids walk ``GROUP_M`` blocks down one column tile before the next tile, so a group's
 activations and an expert's weight tile are reused from L2.
 """
@@ -23,7 +27,7 @@ import triton.language as tl
 
 from flashdsa.runtime.moe.alignment import AlignedPairs
 
-SCALE_GROUP = 128
+SCALE_GROUP = 128  # rows and columns per weight-scale block, columns per activation scale
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ def _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_r
 
 @triton.jit
 def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
+    """acc + a @ w^T; FP8 products are scaled by the row (token) and column (weight row) scales."""
     if FP8:
         return acc + tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
     return tl.dot(a, tl.trans(w), acc)
@@ -66,6 +71,8 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
 ):
+    """One [BLOCK_M, BLOCK_N] output tile: aligned block ``block`` times column tile ``tile_n`` of
+    its expert's weight (``n`` output columns, gate and up each when GATED; ``k`` inputs)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(n, BLOCK_N)
     per_group = GROUP_M * tiles_n
