@@ -122,14 +122,13 @@ def test_moe_kernels_compile_for_hopper(launches):
     x = torch.randn(3, hidden).bfloat16()
     ids = torch.randint(0, experts, (3, top_k), dtype=torch.int32)
     weights = torch.rand(3, top_k)
-    stacks = {False: (torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16),
-                      torch.empty(experts, hidden, inter, dtype=torch.bfloat16), None, None),
-              True: (torch.empty(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
-                     torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn),
-                     torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128))}
+    stacks = {fp8: (torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype))
+              for fp8, dtype in ((False, torch.bfloat16), (True, torch.float8_e4m3fn))}
+    scales = {False: (None, None),
+              True: (torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128))}
     for _, bf16_config, fp8_config in fused_moe.HEURISTIC:
         for fp8, config in ((False, bf16_config), (True, fp8_config)):
-            w13, w2, w13_scale, w2_scale = stacks[fp8]
+            (w13, w2), (w13_scale, w2_scale) = stacks[fp8], scales[fp8]
             fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config)
     many = torch.randint(0, 256, (4096, top_k), dtype=torch.int32)
     align.align_tokens(many, 256, 64, 4096)  # several chunks: the count launch too

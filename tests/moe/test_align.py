@@ -12,7 +12,8 @@ from flashdsa.runtime.moe import align_tokens, max_blocks
 from moe_cases import alignment_cases, check_alignment, generator
 
 
-@pytest.mark.parametrize("name, ids, num_experts, block_m", alignment_cases(), ids=lambda c: c if isinstance(c, str) else "")
+@pytest.mark.parametrize("name, ids, num_experts, block_m", alignment_cases(),
+                         ids=lambda c: c if isinstance(c, str) else "")
 def test_reference_alignment_keeps_its_contract(name, ids, num_experts, block_m):
     check_alignment(ids, num_experts, block_m, align_tokens(ids, num_experts, block_m, backend="reference"))
 

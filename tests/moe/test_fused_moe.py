@@ -56,7 +56,8 @@ def test_reference_is_differentiable():
     fused_moe(**args, backend="reference").square().sum().backward()
     want = {name: torch.autograd.grad(dense_moe(**args).square().sum(), args[name])[0] for name in ("x", "weights")}
     for name in ("x", "weights"):
-        torch.testing.assert_close(args[name].grad.double(), want[name].double(), rtol=1e-4, atol=1e-5, msg=f"seed {SEED}")
+        torch.testing.assert_close(args[name].grad.double(), want[name].double(), rtol=1e-4, atol=1e-5,
+                                   msg=f"seed {SEED}")
     assert args["w13"].grad.abs().sum() > 0 and args["w2"].grad.abs().sum() > 0
 
 

@@ -32,17 +32,18 @@ def check_triton_alignment(ids: torch.Tensor, num_experts: int, block_m: int, **
     check_alignment(ids, num_experts, block_m, aligned)
 
 
-def check_fused(args: dict, fp8: bool, pow2_scales: bool = False, config=None) -> None:
-    """Triton (public op, or the backend with a launch ``config``) vs the reference, into a NaN ``out``."""
+def check_fused(args: dict, fp8: bool, pow2_scales: bool = False, **knobs) -> None:
+    """Triton (public op, or with ``knobs`` such as a launch config the backend) vs the reference,
+    into a NaN ``out``."""
     x = args["x"]
     out = poisoned(x.shape, x.dtype, x.device)
-    if config is None:
+    if not knobs:
         got = fused_moe(**args, pow2_scales=pow2_scales, out=out, backend="triton")
     else:
         from flashdsa.runtime.moe.triton import fused_moe as backend
 
         got = backend.fused_moe(args["x"], args["w13"], args["w2"], args["weights"], args["expert_ids"],
-                                args.get("w13_scale"), args.get("w2_scale"), pow2_scales, True, out, config=config)
+                                args.get("w13_scale"), args.get("w2_scale"), pow2_scales, True, out, **knobs)
     assert got is out
     assert_moe_close(got, fused_moe(**args, pow2_scales=pow2_scales, backend="reference"), fp8)
 
@@ -61,16 +62,16 @@ def run_interpreter_cases() -> None:
     many = moe_inputs(150, 8, 40, 1, 1, False, g, invalid=0.05)["expert_ids"]
     check_triton_alignment(many, 40, 16, min_chunk=64)  # 19 chunks: count launch, then place
     check_triton_alignment(many, 40, 4, min_chunk=48)  # chunks that end inside a one-hot step
-    small, tiny_config = interpreter_configs()
+    small_tiles, block_m_32 = interpreter_configs()
     for fp8 in (False, True):
         args = moe_inputs(7, 3, 6, 200, 96, fp8, generator(2, fp8), invalid=0.15)  # no size a block multiple
-        check_fused(args, fp8, config=small)
-        check_fused(args, fp8, pow2_scales=fp8, config=tiny_config)
+        check_fused(args, fp8, config=small_tiles)
+        check_fused(args, fp8, pow2_scales=fp8, config=block_m_32, chunk_tokens=3)  # chunks of 3, 3, 1 tokens
         check_fused(moe_inputs(4, 2, 3, 40, 24, fp8, generator(3, fp8)), fp8)  # the default decode config
     crowded = moe_inputs(20, 2, 4, 64, 32, True, generator(4))
     crowded["expert_ids"][:] = 1  # all 40 pairs on one expert (3 blocks), experts 0, 2, 3 idle
-    check_fused(crowded, True, config=small)
-    check_fused(moe_inputs(0, 2, 4, 64, 32, False, generator(5)), False, config=small)
+    check_fused(crowded, True, config=small_tiles)
+    check_fused(moe_inputs(0, 2, 4, 64, 32, False, generator(5)), False, config=small_tiles)
 
 
 def test_triton_moe_under_interpreter():
@@ -110,8 +111,8 @@ def test_v32_shapes_match_reference(tokens, fp8, v32_experts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(1, 8, 256, 16), (4096, 8, 256, 64), (3000, 6, 1024, 16),
-                                                                 (77, 3, 5, 128)])
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [
+    (1, 8, 256, 16), (4096, 8, 256, 64), (3000, 6, 1024, 16), (77, 3, 5, 128)])
 def test_alignment_on_gpu(tokens, top_k, num_experts, block_m):
     ids = moe_inputs(tokens, top_k, num_experts, 1, 1, False, generator(tokens), invalid=0.02)["expert_ids"]
     flood_cuda_allocator_with_nan(cuda)

@@ -5,6 +5,7 @@ Launches per call: the alignment (1, or 2 past 1024 pairs), the gate/up grouped 
 and the combine (the fp32 sum of each token's k pair rows); FP8 weights add the activation
 quantizer (``runtime.gemm.quantize_activations``) before each GEMM. Every buffer size follows from
 the shapes (the alignment's static block bound), so the call can be captured in a CUDA graph.
+Past ``CHUNK_TOKENS`` tokens the call runs chunk by chunk, so its buffers stay bounded.
 
 The launch shape comes from :func:`choose_config`, by the mean number of pairs per expert: at
 decode (a few pairs per expert) the GEMMs stream each chosen expert's weights once, 16-row
@@ -28,6 +29,7 @@ from flashdsa.runtime.moe.triton.align import align_tokens
 from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
 
 COMBINE_BLOCK = 1024  # hidden columns per combine program
+CHUNK_TOKENS = 8192  # tokens per pass: bounds the pair outputs [T*k, H] (940 MB bf16 at V3.2 widths)
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,24 @@ def _combine_kernel(pair_out_ptr, expert_ids_ptr, out_ptr, hidden, num_experts, 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
               pow2_scales: bool, quantize: bool, out: Optional[torch.Tensor], *,
-              config: Optional[MoeConfig] = None) -> torch.Tensor:
-    """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``);
-    ``config`` overrides :func:`choose_config` (benchmark sweeps)."""
+              config: Optional[MoeConfig] = None, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``), run
+    ``chunk_tokens`` tokens at a time; ``config`` overrides :func:`choose_config` (benchmark sweeps)."""
+    out = torch.empty_like(x) if out is None else out
+    for start in range(0, x.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        _routed_experts(x[rows], w13, w2, weights[rows], expert_ids[rows], w13_scale, w2_scale, pow2_scales,
+                        out[rows], config)
+    return out
+
+
+def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+                    pow2_scales: bool, out: torch.Tensor, config: Optional[MoeConfig]) -> None:
+    """One chunk of tokens into ``out``: x, weights, expert_ids and out are row slices (contiguous)."""
     tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    out = torch.empty_like(x) if out is None else out
-    if tokens == 0:
-        return out
     fp8 = w13_scale is not None
     config = config or choose_config(tokens * top_k, num_experts, fp8)
     num_blocks = max_blocks(tokens * top_k, num_experts, config.block_m)
@@ -102,4 +113,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
                  route_weights=weights.view(-1))
     grid = (tokens, triton.cdiv(hidden, COMBINE_BLOCK))
     _combine_kernel[grid](pair_out, expert_ids, out, hidden, num_experts, top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)
-    return out
