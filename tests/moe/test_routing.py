@@ -10,14 +10,14 @@ from flashdsa.runtime.moe import select_experts
 from moe_cases import SEED, generator
 
 
-def restated(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
+def restated(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int, norm: bool,
              factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token in fp32 NumPy: rank groups by the sum of their two best ``s + bias`` (ties to
-    the lower group), keep ``topk_group``, take the ``top_k`` best experts in them (ties to the
-    lower expert), weight them by their sigmoid scores."""
-    scores = logits.sigmoid().numpy()  # the same fp32 sigmoid the op uses: ranking starts here
+    """Token by token in fp32 NumPy from the sigmoid scores ``s``: rank groups by the sum of their
+    two best ``s + bias`` (ties to the lower group), keep ``topk_group``, take the ``top_k`` best
+    experts in them (ties to the lower expert), weight them by their scores."""
+    scores = scores.numpy()
     choice = scores + bias.numpy()
-    per_group = logits.shape[1] // n_group
+    per_group = scores.shape[1] // n_group
     all_ids, all_weights = [], []
     for s, c in zip(scores, choice):
         groups = [c[g * per_group:(g + 1) * per_group] for g in range(n_group)]
@@ -31,13 +31,14 @@ def restated(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
             w = w / (w.sum() + 1e-20)
         all_ids.append(ids)
         all_weights.append(w * factor)
-    shape = (logits.shape[0], top_k)
+    shape = (scores.shape[0], top_k)
     return torch.tensor(np.array(all_weights).reshape(shape)), torch.tensor(all_ids, dtype=torch.int32).view(shape)
 
 
 def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5):
     weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor)
-    want_weights, want_ids = restated(logits.cpu(), bias.cpu(), top_k, n_group, topk_group, norm, factor)
+    scores = logits.sigmoid().cpu()  # the sigmoid of the op's device: the ranking starts from it
+    want_weights, want_ids = restated(scores, bias.cpu(), top_k, n_group, topk_group, norm, factor)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     differ = int((ids.cpu() != want_ids).sum())
     assert differ == 0, f"seed {SEED}: experts differ in {differ} places"
