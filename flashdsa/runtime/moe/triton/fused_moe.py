@@ -42,7 +42,8 @@ class MoeConfig:
 
 
 # (largest mean pairs per expert, bf16 config, FP8 config): the first row whose bound holds.
-# FP8 tiles keep block_k dividing 128 (one scale per step).
+# FP8 tiles keep block_k dividing 128 (one scale per step). Written without a GPU run (each fits
+# Hopper's shared memory with its pipeline stages): `bench_moe.py --sweep` is what fixes them.
 HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig], ...] = (
     (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
