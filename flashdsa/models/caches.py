@@ -102,9 +102,3 @@ def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size:
     block = table.gather(1, (pos // block_size).clamp_max(table.shape[1] - 1))
     slots = block * block_size + pos % block_size
     return torch.where((positions >= 0) & (block >= 0), slots, -1).to(torch.int32)
-
-
-def sequence_ranges(meta: BatchMetadata) -> list[tuple[int, int, int]]:
-    """``(first token, end token, context length)`` of each sequence in the flat batch."""
-    qsl = meta.query_start_loc.tolist()
-    return [(qsl[b], qsl[b + 1], n) for b, n in enumerate(meta.context_lens.tolist())]

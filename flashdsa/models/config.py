@@ -90,6 +90,11 @@ class DeepseekV32Config:
             return None
         return tuple(q.get("weight_block_size", (128, 128)))
 
+    @property
+    def pow2_act_scales(self) -> bool:
+        """Whether FP8 activations take power-of-two scales (``scale_fmt: ue8m0``, as DeepSeek-V3.2 ships)."""
+        return (self.quantization_config or {}).get("scale_fmt") == "ue8m0"
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 

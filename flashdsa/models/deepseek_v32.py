@@ -13,6 +13,10 @@ tokens mixed), described by an explicit ``BatchMetadata``. Per layer, for token 
 so keys and values are the 576-wide latent tokens themselves: one KV head, cached once per token.
 RoPE is interleaved here (rotate-half in the indexer). Modes: "reference" (fp32 weights and
 unquantized caches; matches transformers) and "production" (bf16 weights, FP8 caches and indexer).
+With ``quantization="fp8"`` (FP8 checkpoints, or ``--quantization fp8``) the linear layers and
+experts keep e4m3 weights with 128x128 block scales (``FP8_EXEMPT`` stay as they are).
+
+The production forward is graph-capturable: it reads no device value back to the host.
 """
 
 from __future__ import annotations
@@ -30,15 +34,22 @@ from flashdsa.models.caches import (
 )
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.indexer import Indexer
+from flashdsa.models.linear import replace_linears
 from flashdsa.models.moe import MLP, MoE
 from flashdsa.models.rope import Rotary, rope_interleaved
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
+from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.kernels import sparse_mla_decode, sparse_mla_fwd
 from flashdsa.runtime.metadata import BatchMetadata
 
 # Parameters kept in fp32 in production mode (as the checkpoint and transformers keep them).
 FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
 PRODUCTION_WIDTHS = (KV_LORA_RANK, ROPE_DIM, INDEX_HEAD_DIM)  # 512, 64, 128
+QUANTIZATIONS = (None, "fp8")
+# Linear layers that stay in floating point under FP8: those the official checkpoint keeps in
+# bf16, and kv_b_proj, whose W_UK / W_UV halves the absorbed attention multiplies as batched
+# per-head products (dequantized once at load, 32 MB a layer in bf16, as vLLM does).
+FP8_EXEMPT = ("lm_head", "mlp.gate", "weights_proj", "kv_b_proj")
 
 
 class RMSNorm(nn.Module):
@@ -103,10 +114,15 @@ class MLA(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV32Config, layer: int):
+    def __init__(self, config: DeepseekV32Config, layer: int, fp8: bool = False, production: bool = True):
         super().__init__()
         self.self_attn = MLA(config)
-        self.mlp = MoE(config) if config.is_moe_layer(layer) else MLP(config.hidden_size, config.intermediate_size)
+        if config.is_moe_layer(layer):
+            # Stacked gate/up blocks need whole 128-row halves; narrower (tiny) experts stay float.
+            fp8_experts = fp8 and config.moe_intermediate_size % GROUP == 0
+            self.mlp = MoE(config, fp8_experts, quantize_activations=production, pow2_scales=config.pow2_act_scales)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -116,33 +132,42 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV32Model(nn.Module):
-    def __init__(self, config: DeepseekV32Config):
+    def __init__(self, config: DeepseekV32Config, fp8: bool = False, production: bool = True):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, fp8, production) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
     """The model; build it with :func:`flashdsa.models.loader.load_model`."""
 
-    def __init__(self, config: DeepseekV32Config, mode: str = "production"):
+    def __init__(self, config: DeepseekV32Config, mode: str = "production", quantization: str | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         widths = (config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim)
         if mode == "production" and widths != PRODUCTION_WIDTHS:
             raise ValueError(
                 f"production mode needs (kv_lora_rank, qk_rope_head_dim, index_head_dim) = {PRODUCTION_WIDTHS} "
                 f"(the FP8 cache layouts), got {widths}: use mode='reference' for this checkpoint"
             )
-        self.config, self.mode = config, mode
-        self.model = DeepseekV32Model(config)
+        self.config, self.mode, self.quantization = config, mode, quantization
+        fp8, production = quantization == "fp8", mode == "production"
+        self.model = DeepseekV32Model(config, fp8, production)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
+        if fp8:
+            names = {n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not n.endswith(FP8_EXEMPT)}
+            replace_linears(self, names, production, config.pow2_act_scales)
 
-    def param_dtype(self, name: str) -> torch.dtype:
-        """Storage dtype of parameter/buffer ``name`` in this mode."""
+    def param_dtype(self, name: str, dtype: torch.dtype = torch.float32) -> torch.dtype:
+        """Storage dtype of parameter/buffer ``name`` (now ``dtype``) in this mode: e4m3 weights and
+        their fp32 scales stay as they are."""
+        if dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+            return dtype
         if self.mode == "reference" or name.endswith(FP32_PARAMS):
             return torch.float32
         return torch.bfloat16

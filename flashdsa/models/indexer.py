@@ -13,11 +13,13 @@ without either, as Hugging Face does.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdsa.models.caches import gather_fp8_keys, gather_rows, sequence_ranges, store_index_key
+from flashdsa.models.caches import gather_fp8_keys, gather_rows, store_index_key
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.rope import rope_rotate_half
 from flashdsa.runtime.indexer import (
@@ -33,7 +35,8 @@ PAGED_MAX_QUERIES = 4  # queries per sequence up to which the paged (decode) sco
 
 
 class TopK(nn.Module):
-    """``logits: [T, L]`` -> positions of the k best finite scores ``[T, k]`` int32, -1 padded.
+    """``logits: [T, L]`` -> positions of the k best finite scores ``[T, k]`` int32, -1 padded;
+    ``ends: [T]`` int32, when given, bounds each row's scan (its scores beyond are -inf anyway).
 
     A module so that a forward hook sees both the scores and the choice (the layerwise check)."""
 
@@ -41,8 +44,9 @@ class TopK(nn.Module):
         super().__init__()
         self.k = k
 
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return indexer_topk(logits, self.k)
+    def forward(self, logits: torch.Tensor, ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+        starts = None if ends is None else torch.zeros_like(ends)
+        return indexer_topk(logits, self.k, starts, ends)
 
 
 class Indexer(nn.Module):
@@ -89,7 +93,7 @@ class Indexer(nn.Module):
 
     def _exact_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
         """fp32 scores, no Hadamard or FP8 (Hugging Face's computation): ``[T, max_context]``."""
-        ranges = sequence_ranges(meta)
+        ranges = meta.sequence_ranges()
         logits = q.new_full((q.shape[0], max(n for _, _, n in ranges)), float("-inf"), dtype=torch.float32)
         for b, (t0, t1, length) in enumerate(ranges):
             keys = gather_rows(pool[:, :, 0], meta.block_tables[b], length).float()  # [L, D]
@@ -107,12 +111,12 @@ class Indexer(nn.Module):
         whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
         q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H_I, D] e4m3, [T, H_I]
         w = w * q_scale * self.head_dim**-0.5
-        ranges = sequence_ranges(meta)
-        counts = {t1 - t0 for t0, t1, _ in ranges}
+        ranges = meta.sequence_ranges()
+        counts = set(meta.query_lens)
         if len(counts) == 1 and max(counts) <= PAGED_MAX_QUERIES:
             q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
-            max_len = max(n for _, _, n in ranges)
-            return self.topk(indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, max_len))
+            logits = indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, meta.max_context_len)
+            return self.topk(logits, (meta.positions + 1).to(torch.int32))
         out = torch.empty(q.shape[0], self.topk.k, dtype=torch.int32, device=q.device)
         for b, (t0, t1, length) in enumerate(ranges):
             k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]

@@ -2,9 +2,9 @@
 
 Single files (``model.safetensors``) and shards (``model.safetensors.index.json``) are read one
 file at a time. Tensor names are the checkpoint's own. FP8 e4m3 weights come with a
-``<name>_scale_inv`` fp32 tensor holding one scale per 128x128 block; they are dequantized at
-load (w = e4m3 * scale). The multi-token-prediction layers stored after the main stack are
-skipped.
+``<name>_scale_inv`` fp32 tensor holding one scale per 128x128 block; they stay e4m3 in memory
+(w = e4m3 * scale per GEMM), except the few layers ``FP8_EXEMPT`` keeps in floating point. The
+multi-token-prediction layers stored after the main stack are skipped.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from tqdm import tqdm
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import quantize_weight
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,10 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return w.float() * scale
 
 
-def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
-    """Yield ``(name, tensor)`` for every main-model tensor of the checkpoint, FP8 weights
-    dequantized to fp32 (their scale may sit in another shard), MTP layers skipped (logged once)."""
+def read_raw_tensors(path: str | Path, config: DeepseekV32Config):
+    """Yield ``(name, tensor, scale_inv or None)`` for every main-model weight of the checkpoint, as
+    stored (an e4m3 weight's scale may sit in another shard); MTP layers skipped (logged once)."""
     path = Path(path)
-    config = config or DeepseekV32Config.from_json(path)
-    block = config.weight_block_size or (128, 128)
     files = checkpoint_files(path)
     where = {}  # tensor name -> file holding it
     for file in files:
@@ -75,39 +75,84 @@ def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
                     if name[: -len(SCALE_SUFFIX)] not in where:
                         raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
                     continue
-                t = f.get_tensor(name)
-                if t.dtype == torch.float8_e4m3fn:
+                t, scale = f.get_tensor(name), None
+                if t.dtype == E4M3:
                     if name + SCALE_SUFFIX not in where:
                         raise ValueError(f"{file.name}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
                     with safe_open(where[name + SCALE_SUFFIX], framework="pt") as g:
-                        t = dequantize_blocks(t, g.get_tensor(name + SCALE_SUFFIX), block)
-                yield name, t
+                        scale = g.get_tensor(name + SCALE_SUFFIX)
+                yield name, t, scale
     if skipped:
         logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not used for generation)", skipped)
 
 
+def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
+    """Yield ``(name, tensor)`` for every main-model tensor, FP8 weights dequantized to fp32."""
+    config = config or DeepseekV32Config.from_json(path)
+    block = config.weight_block_size or (128, 128)
+    for name, t, scale in read_raw_tensors(path, config):
+        yield name, (t if scale is None else dequantize_blocks(t, scale, block))
+
+
+def checkpoint_is_fp8(path: Path) -> bool:
+    """Whether the checkpoint holds block-scaled e4m3 weights (any ``*_scale_inv`` tensor)."""
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            if any(name.endswith(SCALE_SUFFIX) for name in f.keys()):
+                return True
+    return False
+
+
+@torch.no_grad()
+def _copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.Tensor, scale: torch.Tensor | None,
+                 block: tuple[int, int]) -> None:
+    """Write checkpoint tensor ``t`` (e4m3 with ``scale``, or float) into ``dest`` in its precision:
+    e4m3 copied as is, a float weight quantized into an e4m3 destination, e4m3 dequantized into a
+    float one (kv_b_proj, or a model built without FP8)."""
+    t = t.to(dest.device)
+    if dest.dtype == E4M3:
+        if t.dtype != E4M3:
+            t, scale = quantize_weight(t)
+        dest.copy_(t)
+        dest_scale.copy_(scale)
+        return
+    if t.dtype == E4M3:
+        t = dequantize_blocks(t, scale.to(dest.device), block)
+    dest.copy_(t)
+
+
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", mode: str = "production"
+    path: str | Path, device: str | torch.device = "cpu", mode: str = "production", quantization: str | None = None
 ) -> DeepseekV32ForCausalLM:
     """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``.
 
+    FP8 checkpoints keep their e4m3 weights and scales (one byte a weight in memory); a bf16
+    checkpoint is quantized to them at load with ``quantization="fp8"``. The weights stream one
+    tensor at a time into the model's own storage on ``device``, so no second copy is ever held.
     Raises ValueError naming every missing, unexpected or mis-shaped tensor.
     """
     path = Path(path)
     config = DeepseekV32Config.from_json(path)
+    if quantization is None and checkpoint_is_fp8(path):
+        quantization = "fp8"
     with torch.device("meta"):
-        model = DeepseekV32ForCausalLM(config, mode)
-    expected = dict(model.state_dict())  # name -> meta tensor (parameters and buffers)
-    loaded: dict[str, torch.Tensor] = {}
-    unexpected, misshaped = [], []
-    for name, t in read_tensors(path, config):
+        model = DeepseekV32ForCausalLM(config, mode, quantization)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        t.data = t.data.to(model.param_dtype(name, t.dtype))
+    model.to_empty(device=device)
+    block = config.weight_block_size or (128, 128)
+    dests = model.state_dict(keep_vars=True)  # checkpoint names -> views of the model's storage
+    expected = {n for n in dests if not n.endswith(SCALE_SUFFIX)}
+    loaded, unexpected, misshaped = set(), [], []
+    for name, t, scale in read_raw_tensors(path, config):
         if name not in expected:
             unexpected.append(name)
-        elif t.shape != expected[name].shape:
-            misshaped.append(f"{name}: expected {list(expected[name].shape)}, got {list(t.shape)}")
+        elif t.shape != dests[name].shape:
+            misshaped.append(f"{name}: expected {list(dests[name].shape)}, got {list(t.shape)}")
         else:
-            loaded[name] = t.to(device=device, dtype=model.param_dtype(name))
-    missing = sorted(set(expected) - set(loaded) - {m.split(":")[0] for m in misshaped})
+            _copy_weight(dests[name].data, _data(dests.get(name + SCALE_SUFFIX)), t, scale, block)
+            loaded.add(name)
+    missing = sorted(expected - loaded - {m.split(":")[0] for m in misshaped})
     problems = [
         f"{label} ({len(names)}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
         for label, names in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped))
@@ -115,5 +160,8 @@ def load_model(
     ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match the DeepSeek-V3.2 model: " + "; ".join(problems))
-    model.load_state_dict(loaded, assign=True)
     return model.eval()
+
+
+def _data(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.data

@@ -5,6 +5,12 @@ load-balancing correction), first keeping the ``topk_group`` expert groups with 
 of their two best scores, then the ``num_experts_per_tok`` best experts inside them. The chosen
 experts' *uncorrected* scores, normalized to sum 1 and times ``routed_scaling_factor``, weight
 their outputs; one shared expert is always added.
+
+The routed experts are stacked per layer for grouped GEMMs (``flashdsa.runtime.moe``):
+``gate_up_proj: [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj: [E, H, I]``,
+e4m3 with 128x128 block scales for FP8 checkpoints. ``state_dict`` and ``load_state_dict`` speak
+the checkpoint's per-expert names (``experts.{e}.gate_proj.weight`` ...), so saved checkpoints keep
+the Hugging Face layout. Routing, alignment and the GEMMs run on the device with no host sync.
 """
 
 from __future__ import annotations
@@ -14,6 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import GROUP
+from flashdsa.runtime.moe import fused_moe, select_experts
+
+SCALE_SUFFIX = "_scale_inv"
 
 
 class MLP(nn.Module):
@@ -30,7 +41,7 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Group-limited top-k over sigmoid scores; returns (weights [T, k] fp32, experts [T, k] int64)."""
+    """Group-limited top-k over sigmoid scores; returns (weights [T, k] fp32, experts [T, k] int32)."""
 
     def __init__(self, config: DeepseekV32Config):
         super().__init__()
@@ -40,36 +51,98 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E], routing runs in fp32
-        biased = scores + self.e_score_correction_bias
-        groups = biased.view(-1, c.n_group, c.n_routed_experts // c.n_group)  # [T, G, E/G]
-        group_score = groups.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-        kept_groups = group_score.topk(c.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_score).scatter_(1, kept_groups, 1.0).bool()
-        biased = biased.masked_fill(~group_mask[:, :, None].expand_as(groups).reshape(biased.shape), float("-inf"))
-        experts = biased.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices  # [T, k]
-        weights = scores.gather(1, experts)
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * c.routed_scaling_factor, experts
+        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing runs in fp32
+        return select_experts(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+
+
+def expert_slices(num_experts: int, intermediate: int) -> dict[str, tuple[str, int, slice]]:
+    """Checkpoint name suffix -> (stacked tensor, expert, row slice), e.g.
+    ``"3.up_proj.weight" -> ("gate_up_proj", 3, slice(I, 2I))``; scales map to their block rows."""
+    out = {}
+    blocks = intermediate // GROUP
+    for e in range(num_experts):
+        for proj, rows, block_rows, stacked in (
+            ("gate_proj", slice(0, intermediate), slice(0, blocks), "gate_up_proj"),
+            ("up_proj", slice(intermediate, 2 * intermediate), slice(blocks, 2 * blocks), "gate_up_proj"),
+            ("down_proj", slice(None), slice(None), "down_proj"),
+        ):
+            out[f"{e}.{proj}.weight"] = (stacked, e, rows)
+            out[f"{e}.{proj}.weight{SCALE_SUFFIX}"] = (stacked + SCALE_SUFFIX, e, block_rows)
+    return out
+
+
+class Experts(nn.Module):
+    """The routed experts, stacked: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` (+ e4m3 block scales)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, fp8: bool = False):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate, self.fp8 = num_experts, hidden, intermediate, fp8
+        if fp8 and intermediate % GROUP:
+            raise ValueError(f"FP8 experts need moe_intermediate_size a multiple of {GROUP}, got {intermediate}")
+        dtype = E4M3 if fp8 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
+                                         requires_grad=not fp8)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=not fp8)
+        if fp8:
+            g = lambda n: -(-n // GROUP)  # noqa: E731
+            self.register_buffer("gate_up_proj" + SCALE_SUFFIX, torch.empty(num_experts, g(2 * intermediate), g(hidden)))
+            self.register_buffer("down_proj" + SCALE_SUFFIX, torch.empty(num_experts, g(hidden), g(intermediate)))
+        self.slices = expert_slices(num_experts, intermediate)
+        self.register_state_dict_post_hook(_per_expert_state_dict)
+        self.register_load_state_dict_pre_hook(_stack_expert_state_dict)
+
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.fp8:
+            return None, None
+        return getattr(self, "gate_up_proj" + SCALE_SUFFIX), getattr(self, "down_proj" + SCALE_SUFFIX)
+
+
+def _per_expert_state_dict(module: Experts, state: dict, prefix: str, _meta) -> None:
+    """Replace the stacked tensors by the checkpoint's per-expert views."""
+    stacked = {name: state.pop(prefix + name) for name in list(state_names(module))}
+    for suffix, (name, e, rows) in module.slices.items():
+        if name in stacked:
+            state[prefix + suffix] = stacked[name][e, rows]
+
+
+def _stack_expert_state_dict(module: Experts, state: dict, prefix: str, *_args) -> None:
+    """Accept per-expert names (the checkpoint's) by stacking them into the module's tensors."""
+    if not any(k.startswith(prefix) and k[len(prefix):] in module.slices for k in state):
+        return
+    stacked = {name: torch.empty_like(t, device=next(iter(state.values())).device)
+               for name, t in state_names(module).items()}
+    for suffix, (name, e, rows) in module.slices.items():
+        if name in stacked and prefix + suffix in state:
+            stacked[name][e, rows] = state.pop(prefix + suffix)
+    state.update({prefix + name: t for name, t in stacked.items()})
+
+
+def state_names(module: Experts) -> dict[str, torch.Tensor]:
+    """The stacked tensors of ``module`` by name (weights, and scales when FP8)."""
+    names = ["gate_up_proj", "down_proj"] + (["gate_up_proj" + SCALE_SUFFIX, "down_proj" + SCALE_SUFFIX] if module.fp8 else [])
+    return {n: getattr(module, n) for n in names}
 
 
 class MoE(nn.Module):
-    """Routed experts plus the shared expert; ``x: [T, hidden]`` -> ``[T, hidden]``."""
+    """Routed experts plus the shared expert; ``x: [T, hidden]`` -> ``[T, hidden]``.
 
-    def __init__(self, config: DeepseekV32Config):
+    Graph-capturable in production mode: no host sync. With autograd on (training) or in
+    reference mode the experts run on the reference backend (differentiable torch code)."""
+
+    def __init__(self, config: DeepseekV32Config, fp8_experts: bool = False, quantize_activations: bool = True,
+                 pow2_scales: bool = False):
         super().__init__()
         self.gate = Router(config)
-        self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
-        )
+        self.experts = Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, fp8_experts)
         self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.quantize_activations, self.pow2_scales = quantize_activations, pow2_scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():  # only the experts some token chose
-            token, slot = torch.where(experts == e)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
-        return out + self.shared_experts(x)
+        w13_scale, w2_scale = self.experts.scales()
+        exact = torch.is_grad_enabled() or not self.quantize_activations
+        routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts, w13_scale,
+                           w2_scale, pow2_scales=self.pow2_scales, quantize_activations=not exact,
+                           backend="reference" if exact else None)
+        return routed + self.shared_experts(x)

@@ -2,11 +2,14 @@
 
 One forward runs a flat batch of T tokens from B sequences, each a prefill chunk or decode
 tokens. The model reads only this object (no globals), so a reader sees what each layer needs.
+The host keeps the per-sequence counts as Python ints (``query_lens``, ``context_lens_host``), so
+the forward never reads a device value back: it stays free of host syncs and capturable in a
+CUDA graph. The tensors travel to the device in one copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -23,6 +26,10 @@ class BatchMetadata:
     slot_mapping: [T] int64, cache slot (block_id * block_size + offset) each token writes.
     block_tables: [B, max_blocks] int32, physical block ids of each sequence, -1 padded.
     logits_indices: [N] int64, tokens whose logits the model returns (usually each sequence's last).
+    query_lens: host ints, tokens of each sequence in this step.
+    context_lens_host: host ints, the same as ``context_lens``.
+    max_context_len: host int >= every context length: the width of the paged indexer's scores
+        (a CUDA graph fixes it at capture, so it may exceed the batch's longest context).
     """
 
     positions: torch.Tensor
@@ -32,6 +39,9 @@ class BatchMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    max_context_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -59,7 +69,34 @@ class BatchMetadata:
             slot_mapping=slots,
             block_tables=tables,
             logits_indices=logits_indices,
+            query_lens=tuple(counts),
+            context_lens_host=tuple(s + c for s, c in zip(starts, counts)),
+            max_context_len=max((s + c for s, c in zip(starts, counts)), default=0),
         )
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def sequence_ranges(self) -> list[tuple[int, int, int]]:
+        """``(first token, end token, context length)`` of each sequence in the flat batch (host ints)."""
+        out, first = [], 0
+        for n, length in zip(self.query_lens, self.context_lens_host):
+            out.append((first, first + n, length))
+            first += n
+        return out
+
     def to(self, device: torch.device) -> "BatchMetadata":
-        return BatchMetadata(**{k: v.to(device) for k, v in vars(self).items()})
+        """A copy on ``device``: the tensors packed into one int64 buffer and moved in one transfer."""
+        tensors = self.tensors()
+        if all(t.device == device for t in tensors.values()):
+            return self
+        flat = torch.cat([t.reshape(-1).long() for t in tensors.values()])
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        moved, offset = {}, 0
+        for name, t in tensors.items():
+            moved[name] = flat[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+            offset += t.numel()
+        return BatchMetadata(**{**vars(self), **moved})

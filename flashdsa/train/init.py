@@ -18,7 +18,7 @@ def initialize(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
         elif tensor.dim() < 2:
             value = torch.zeros(tensor.shape)
         else:
-            scale = std / (2 * depth) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            scale = std / (2 * depth) ** 0.5 if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")) else std
             value = torch.randn(tensor.shape, generator=generator) * scale
         tensor.copy_(value.to(tensor.dtype))
     return model

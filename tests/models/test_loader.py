@@ -25,18 +25,48 @@ def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(shrunk, tmp_
         assert torch.equal(one[name], three[name]), name
 
 
-def test_fp8_checkpoint_is_dequantized_blockwise(shrunk, tmp_path):
+def _dequantized_state(model) -> dict[str, torch.Tensor]:
+    """Every weight of ``model`` as fp32 under its checkpoint name, e4m3 ones times their block scales."""
+    state = model.state_dict()
+    return {k: (dequantize_blocks(v, state[k + "_scale_inv"], (128, 128)) if v.dtype == torch.float8_e4m3fn
+                else v.float()) for k, v in state.items() if not k.endswith("_scale_inv")}
+
+
+def test_fp8_checkpoint_keeps_e4m3_weights_that_match_the_bf16_ones(shrunk, tmp_path):
     fp8 = make_tiny_checkpoint(tmp_path, shrink=True, seed=1, fp8=True, shards=2)
     model = load_model(fp8, mode="reference")
+    state = model.state_dict()
+    assert state["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    assert state["model.layers.0.self_attn.q_a_proj.weight_scale_inv"].dtype == torch.float32
     reference = _state(load_model(shrunk, mode="reference"))
-    name = "model.layers.0.self_attn.kv_b_proj.weight"
-    w = reference[name]
-    q, scale = quantize_blocks(w)
-    assert torch.equal(model.state_dict()[name], dequantize_blocks(q, scale, (128, 128)))
+    name = "model.layers.0.self_attn.kv_b_proj.weight"  # FP8_EXEMPT: dequantized exactly at load
+    q, scale = quantize_blocks(reference[name])
+    assert state[name].dtype == torch.float32 and torch.equal(state[name], dequantize_blocks(q, scale, (128, 128)))
+    dequantized = _dequantized_state(model)
+    assert dequantized.keys() == reference.keys()
     # e4m3 keeps 3 mantissa bits: every weight within 2^-4 of its block's largest scale step
-    for key, value in _state(model).items():
+    for key, value in dequantized.items():
         assert torch.allclose(value, reference[key], rtol=2**-4, atol=1e-3), key
-    assert not torch.equal(model.state_dict()[name], w), "weights were not quantized at all"
+    assert not torch.equal(dequantized[name], reference[name]), "weights were not quantized at all"
+
+
+def test_fp8_checkpoint_resident_size_is_about_half_the_bf16_load(tmp_path):
+    bf16 = load_model(make_tiny_checkpoint(tmp_path / "bf16", seed=3), mode="production")
+    fp8 = load_model(make_tiny_checkpoint(tmp_path / "fp8", seed=3, fp8=True), mode="production")
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))  # noqa: E731
+    linear = lambda m: sum(p.numel() for n, p in m.named_parameters()  # noqa: E731
+                           if p.dim() >= 2 and "embed" not in n and "lm_head" not in n and "kv_b_proj" not in n)
+    assert all(p.dtype == torch.float8_e4m3fn for n, p in fp8.named_parameters() if n.endswith("experts.down_proj"))
+    # every FP8 weight saves one byte a value against bf16; the exempt layers stay as they are
+    assert nbytes(bf16) - nbytes(fp8) >= 0.95 * linear(fp8)
+
+
+def test_bf16_checkpoint_quantized_at_load_matches_the_fp8_checkpoint(tmp_path):
+    bf16 = load_model(make_tiny_checkpoint(tmp_path / "bf16", seed=4), quantization="fp8")
+    fp8 = load_model(make_tiny_checkpoint(tmp_path / "fp8", seed=4, fp8=True))
+    a, b = _dequantized_state(bf16), _dequantized_state(fp8)
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=2**-3, atol=1e-2), key
 
 
 def test_dequantize_blocks_uses_one_scale_per_128x128_block():

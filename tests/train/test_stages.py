@@ -35,11 +35,7 @@ def test_training_forward_equals_inference_forward(index_topk):
     out = training_forward(model, ids, "sparse" if index_topk < LENGTH else "dense")
     caches = model.allocate_caches(1)
     for b in range(ids.shape[0]):
-        meta = BatchMetadata(
-            positions=torch.arange(LENGTH), seq_ids=torch.zeros(LENGTH, dtype=torch.int64),
-            query_start_loc=torch.tensor([0, LENGTH], dtype=torch.int32),
-            context_lens=torch.tensor([LENGTH], dtype=torch.int32), slot_mapping=torch.arange(LENGTH),
-            block_tables=torch.tensor([[0]], dtype=torch.int32), logits_indices=torch.arange(LENGTH))
+        meta = BatchMetadata.for_step([0], [LENGTH], torch.tensor([[0]], dtype=torch.int32), torch.arange(LENGTH))
         torch.testing.assert_close(out.logits[b], model(ids[b], meta, caches), rtol=1e-5, atol=1e-5)
 
 

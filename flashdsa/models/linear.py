@@ -1,0 +1,61 @@
+"""Linear layers whose weights stay in the checkpoint's precision.
+
+``FP8Linear`` keeps an e4m3 weight ``[out, in]`` and its ``weight_scale_inv`` (one fp32 scale per
+128x128 block), the official DeepSeek checkpoints' format, one byte per weight in memory. In
+production mode it runs the block-scaled FP8 GEMM of ``flashdsa.runtime.gemm`` (activations
+quantized per token and 128 channels); in reference mode it dequantizes the weight for the one
+call and multiplies in the activations' precision, so the result matches a dequantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import GROUP, fp8_linear, quantize_weight
+from flashdsa.runtime.gemm.reference import dequantize_weight
+
+SCALE_SUFFIX = "_scale_inv"
+
+
+class FP8Linear(nn.Module):
+    """``y = x W^T`` with ``W = weight (e4m3) * weight_scale_inv`` per 128x128 block."""
+
+    def __init__(self, in_features: int, out_features: int, quantize_activations: bool = True,
+                 pow2_scales: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quantize_activations, self.pow2_scales = quantize_activations, pow2_scales
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3), requires_grad=False)
+        scale_shape = (-(-out_features // GROUP), -(-in_features // GROUP))
+        self.register_buffer("weight_scale_inv", torch.empty(scale_shape, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_activations:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, pow2_scales=self.pow2_scales)
+        return F.linear(x, dequantize_weight(self.weight, self.weight_scale_inv).to(x.dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 ``[out, in]`` (for layers that absorb it into another product)."""
+        return dequantize_weight(self.weight, self.weight_scale_inv)
+
+    @torch.no_grad()
+    def set_weight(self, w: torch.Tensor) -> None:
+        """Quantize a float ``w: [out, in]`` into this layer (``--quantization fp8`` of a bf16 checkpoint)."""
+        w_fp8, scale = quantize_weight(w)
+        self.weight.copy_(w_fp8)
+        self.weight_scale_inv.copy_(scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
+
+
+def replace_linears(model: nn.Module, names: set[str], quantize_activations: bool, pow2_scales: bool) -> None:
+    """Swap the ``nn.Linear`` modules named in ``names`` (module paths) for :class:`FP8Linear`."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        setattr(parent, child, FP8Linear(old.in_features, old.out_features, quantize_activations, pow2_scales))
