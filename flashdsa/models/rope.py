@@ -51,10 +51,14 @@ class Rotary:
             else:
                 self.attention_factor = _yarn_mscale(factor)
         self.inv_freq = freq
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # device copies, made once (graph capture forbids copies)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions: [T]`` int -> ``(cos, sin)`` each ``[T, rope_dim / 2]`` fp32."""
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv_freq = self._inv_freq_on.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * inv_freq[None, :]
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # default: cache_fraction of the device memory (CUDA)
     cache_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -95,7 +96,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.block_manager
         )
-        self.runner = ModelRunner(model, self.num_blocks, self.device)
+        self.runner = ModelRunner(model, self.num_blocks, self.device, self.config.max_num_seqs, max_len,
+                                  self.config.enforce_eager)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_token_time: dict[str, float] = {}
 

@@ -45,7 +45,8 @@ class GenerateResult:
 
 class LLM:
     """A model and its engine. ``model`` is a checkpoint directory or a loaded model (then
-    pass its tokenizer); engine options (max_num_seqs, num_blocks, ...) go to EngineConfig."""
+    pass its tokenizer); ``quantization="fp8"`` stores a bf16 checkpoint's linear layers as FP8;
+    engine options (max_num_seqs, num_blocks, enforce_eager, ...) go to EngineConfig."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class LLM:
         *,
         device: str = "cpu",
         mode: str = "production",
+        quantization: Optional[str] = None,
         **engine_options,
     ) -> None:
         if isinstance(model, (str, Path)):
@@ -62,7 +64,7 @@ class LLM:
             from flashdsa.models.loader import load_model
 
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
-            model = load_model(model, device=device, mode=mode)
+            model = load_model(model, device=device, mode=mode, quantization=quantization)
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
 

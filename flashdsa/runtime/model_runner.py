@@ -1,4 +1,7 @@
-"""Turns a scheduled step into model inputs (token ids + BatchMetadata) and runs the model."""
+"""Turns a scheduled step into model inputs (token ids + BatchMetadata) and runs the model.
+
+Decode steps replay CUDA graphs (``cuda_graphs.DecodeGraphs``) on CUDA in production mode unless
+``enforce_eager``; prefill and mixed steps, and reference mode, run eagerly."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdsa.runtime.checks import trusted_values
+from flashdsa.runtime.cuda_graphs import DecodeGraphs
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.runtime.scheduler import ScheduledChunk
 
@@ -51,14 +55,26 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
 class ModelRunner:
     """Owns the model and its paged caches (MLA latent + indexer keys, one block table)."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, device: torch.device, max_num_seqs: int = 1,
+                 max_model_len: int = 0, enforce_eager: bool = True) -> None:
         self.model = model
         self.device = device
         self.caches = model.allocate_caches(num_blocks)
+        self.graphs = None
+        if not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production":
+            self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
+        if self.graphs is not None and _is_decode(chunks) and self.graphs.can_run(len(chunks), meta.max_context_len):
+            return StepLogits(self.graphs.replay(input_ids, meta), row_start, num_rows)
         with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
             logits = self.model(input_ids.to(self.device), meta.to(self.device), self.caches)
         return StepLogits(logits.float(), row_start, num_rows)
+
+
+def _is_decode(chunks: list[ScheduledChunk]) -> bool:
+    """Every sequence runs one token and samples it (one logits row each, in order)."""
+    return all(c.num_tokens == 1 and c.samples and not c.seq.wants_prompt_logprobs for c in chunks)

@@ -1,0 +1,197 @@
+"""End-to-end decode and prefill of a DeepSeek-V3.2-width model against its hardware bounds.
+
+Builds the V3.2-width random model with ``--layers`` layers (FP8 weights in the official
+checkpoint layout, written once to a temporary directory and loaded through the normal loader),
+then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-eager``) measures:
+
+- decode ms/step and tokens/s at each (batch, context), against the bytes-read bound: what one
+  step must read once (every resident weight but the embedding table and the routed experts, the
+  experts the batch selects (expected distinct under uniform routing), and per layer and sequence
+  the top-k latent rows (656 B) and every indexer key (132 B)) at the copy bandwidth measured here;
+- GPU-busy share, kernel launches and host syncs per decode step (torch profiler);
+- prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
+  indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here).
+
+  python benchmarks/bench_e2e.py [--layers 4] [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import output_parser, report, Row  # noqa: E402
+from flashdsa.models.loader import load_model  # noqa: E402
+from flashdsa.models.synthetic import v32_config, write_random_checkpoint  # noqa: E402
+from flashdsa.runtime.cache.layout import INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES  # noqa: E402
+from flashdsa.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
+from flashdsa.runtime.sampling_params import SamplingParams  # noqa: E402
+
+DECODE_POINTS = ((1, 4096), (1, 32768), (32, 4096), (128, 2048), (128, 16384))
+PREFILL_LENGTHS = (16384, 65536)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device copy, bytes read per second (the figure a decode step's reads are bounded by)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return nbytes * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def fp8_gemm_rate(n: int = 8192) -> float:
+    """FLOP/s of torch._scaled_mm (per-tensor scales) on an n^3 e4m3 product."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).T
+    one = torch.ones((), device="cuda")
+    run = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        run()
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_bytes(model, batch: int, context: int) -> float:
+    """Bytes one decode step must read (see the module docstring)."""
+    c = model.config
+    experts = [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
+    routed = nbytes(t for e in experts for t in list(e.parameters()) + list(e.buffers()))
+    resident = nbytes(list(model.parameters()) + list(model.buffers()))
+    weights = resident - routed - model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    distinct = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch)
+    per_expert = routed / max(len(experts), 1) / c.n_routed_experts
+    cache = batch * c.num_hidden_layers * (min(context, c.index_topk) * MLA_TOKEN_BYTES + context * INDEXER_TOKEN_BYTES)
+    return weights + len(experts) * distinct * per_expert + cache
+
+
+def prefill_flops(model, length: int) -> float:
+    """Linear layers (active parameters), sparse attention and indexer FLOPs of one prompt."""
+    c = model.config
+    experts = [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
+    params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    params -= model.lm_head.weight.numel()
+    params -= sum(e.gate_up_proj.numel() + e.down_proj.numel() for e in experts)
+    params += len(experts) * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    pairs = sum(min(t + 1, c.index_topk) for t in range(length))
+    attention = 2 * c.num_attention_heads * pairs * (c.d_qk + c.kv_lora_rank)
+    indexer = 2 * c.index_n_heads * c.index_head_dim * length * (length + 1) / 2
+    return 2 * params * length + c.num_hidden_layers * (attention + indexer)
+
+
+def profile_steps(engine: LLMEngine, steps: int = 5) -> tuple[float, float, float]:
+    """(GPU-busy share, launches per step, host syncs per step) over ``steps`` decode steps."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    busy = sum(e.device_time for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(e.name in LAUNCH_CALLS for e in events)
+    syncs = sum(e.name in SYNC_CALLS for e in events)
+    return busy / wall_us, launches / steps, syncs / steps
+
+
+def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLMEngine:
+    blocks = batch * -(-max_len // 64) + 8
+    return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=16384,
+                                                    max_model_len=max_len, num_blocks=blocks, enforce_eager=eager))
+
+
+def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float) -> list[Row]:
+    engine = make_engine(model, tokenizer, batch, context + steps + 16, eager)
+    gen = torch.Generator().manual_seed(batch * context)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), torch.randint(3, model.config.vocab_size, (context,), generator=gen).tolist(), params)
+    started = set()
+    while len(started) < batch:  # prefill (and the mixed steps of chunked prefill)
+        started |= {o.request_id for o in engine.step()}
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    busy, launches, syncs = profile_steps(engine)
+    ms = statistics.median(times) * 1e3
+    bound_ms = step_bytes(model, batch, context) / bandwidth * 1e3
+    note = f"{batch * 1e3 / ms:.0f} tok/s; GPU busy {busy:.0%}; {launches:.0f} launches, {syncs:.0f} syncs/step"
+    return [Row("decode step" + (" (eager)" if eager else ""), f"b={batch} ctx={context}", ms,
+                bound_ms / ms * 100, "% of bound", 60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}")]
+
+
+def prefill_point(model, tokenizer, length: int, rate: float) -> Row:
+    engine = make_engine(model, tokenizer, 1, length + 16, eager=True)
+    prompt = torch.randint(3, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+    engine.add_request("p", prompt.tolist(), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    bound = prefill_flops(model, length) / rate
+    return Row("prefill", f"prompt {length}", seconds * 1e3, bound / seconds * 100, "% of bound", 50,
+               f"{length / seconds:.0f} tok/s; FLOP bound {bound * 1e3:.0f} ms at {rate / 1e12:.0f} TFLOPS FP8")
+
+
+def main() -> None:
+    parser = output_parser(__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    parser.add_argument("--enforce-eager", action="store_true", help="also time each point without CUDA graphs")
+    parser.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in DECODE_POINTS))
+    parser.add_argument("--prefill", default=",".join(map(str, PREFILL_LENGTHS)))
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(tmp, v32_config(args.layers), device="cuda")
+        t0 = time.perf_counter()
+        model = load_model(tmp, device="cuda")
+        load_s = time.perf_counter() - t0
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    bandwidth, rate = copy_bandwidth(), fp8_gemm_rate()
+    rows = []
+    for point in filter(None, args.points.split(",")):
+        batch, context = map(int, point.split("x"))
+        for eager in (False, True) if args.enforce_eager else (False,):
+            rows += decode_point(model, tokenizer, batch, context, args.steps, eager, bandwidth)
+            print(rows[-1], flush=True)
+    for length in filter(None, args.prefill.split(",")):
+        rows.append(prefill_point(model, tokenizer, int(length), rate))
+        print(rows[-1], flush=True)
+    resident = nbytes(list(model.parameters()) + list(model.buffers())) / 2**30
+    title = (f"End-to-end, V3.2-width random model, {args.layers} layers, FP8 weights ({resident:.1f} GiB resident, "
+             f"loaded in {load_s:.0f} s); copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {rate / 1e12:.0f} TFLOPS")
+    report(title, rows, args.output)
+
+
+if __name__ == "__main__":
+    main()

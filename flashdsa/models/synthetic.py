@@ -1,0 +1,109 @@
+"""Random checkpoints at DeepSeek-V3.2's true widths, in the official layout, for benchmarks.
+
+``v32_config(num_layers)`` is the official config.json (FP8, 256 experts, 128 heads) with fewer
+layers; ``write_random_checkpoint`` generates every tensor on ``device`` (a GPU makes the 15B
+parameters of a 4-layer model in seconds), quantizes the linear layers to e4m3 with 128x128
+``weight_scale_inv`` blocks as the official checkpoint stores them, and writes one safetensors
+shard per layer plus the index, and a word-level tokenizer covering the vocabulary, so the normal
+loader, engine and server run it unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.runtime.gemm import quantize_weight
+
+# Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
+NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
+
+V32_CONFIG = dict(
+    model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], torch_dtype="bfloat16",
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+    n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+    index_n_heads=64, index_head_dim=128, index_topk=2048, hidden_act="silu", rms_norm_eps=1e-6,
+    max_position_embeddings=163840, rope_theta=10000.0, tie_word_embeddings=False,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0),
+    bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
+    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", scale_fmt="ue8m0",
+                             weight_block_size=[128, 128]),
+)
+
+
+def v32_config(num_layers: int = 4, **overrides) -> dict:
+    """DeepSeek-V3.2's config.json with ``num_layers`` layers (the first min(3, num_layers - 1) dense)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return {**V32_CONFIG, "num_hidden_layers": num_layers, "first_k_dense_replace": min(3, num_layers - 1),
+            **overrides}
+
+
+def _random_tensor(name: str, shape: torch.Size, layers: int, gen: torch.Generator, device: torch.device):
+    """A tensor with O(1) activations: unit norms, small biases, Linear weights ~ N(0, 1/fan_in)."""
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=gen, device=device)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    if name.endswith("norm.bias"):
+        return 0.1 * torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    if name.endswith("embed_tokens.weight"):
+        return w
+    scale = 1 / math.sqrt(shape[1]) / (math.sqrt(2 * layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
+    return w * scale
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one token ``<i>`` per id (no download; decodes every id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<2>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<0>", "eos_token": "<1>", "unk_token": "<2>"}))
+
+
+@torch.no_grad()
+def write_random_checkpoint(path: str | Path, raw_config: dict, device: str | torch.device = "cpu",
+                            seed: int = 0) -> Path:
+    """Write config.json, one shard per layer (FP8 where the official checkpoint is) and a tokenizer."""
+    path, device = Path(path), torch.device(device)
+    path.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV32Config.from_dict(raw_config)
+    fp8 = bool(raw_config.get("quantization_config"))
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in DeepseekV32ForCausalLM(config, "production").state_dict().items()}
+    groups: dict[str, list[str]] = {}
+    for name in shapes:
+        parts = name.split(".")
+        groups.setdefault(f"layer{int(parts[2]):03d}" if parts[1] == "layers" else "other", []).append(name)
+    gen = torch.Generator(device).manual_seed(seed)
+    weight_map = {}
+    for i, (group, names) in enumerate(tqdm(sorted(groups.items()), desc="writing random shards", unit="shard")):
+        tensors = {}
+        for name in names:
+            t = _random_tensor(name, shapes[name], config.num_hidden_layers, gen, device)
+            if fp8 and t.dim() == 2 and not name.endswith(NOT_FP8):
+                t, tensors[name + "_scale_inv"] = quantize_weight(t)
+            tensors[name] = t
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
+                  metadata={"format": "pt"})
+        (path / f"{file}.tmp").rename(path / file)
+        weight_map.update({n: file for n in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(raw_config, indent=2))
+    write_tokenizer(path, config.vocab_size)
+    return path
