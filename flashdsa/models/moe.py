@@ -52,7 +52,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E], routing runs in fp32
-        return select_experts(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+        return select_experts(logits, self.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group,
                               c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
 

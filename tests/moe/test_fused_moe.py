@@ -66,7 +66,7 @@ def base_args() -> dict:
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(x=torch.zeros(3, 16, dtype=torch.float16)), "x must be bf16/fp32 [T, H]"),
+    (dict(x=torch.zeros(3, 16, dtype=torch.float16)), "x must be bf16/fp32/fp64 [T, H]"),
     (dict(x=torch.zeros(3, 0, dtype=torch.bfloat16)), "x must have H >= 1"),
     (dict(w13=torch.zeros(4, 16, 15, dtype=torch.bfloat16)), "w13 must be bfloat16 or e4m3 [E, 2*I, H=16]"),
     (dict(w13=torch.zeros(4, 15, 16, dtype=torch.bfloat16)), "w13 must stack gate and up rows"),

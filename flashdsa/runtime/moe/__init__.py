@@ -34,7 +34,7 @@ __all__ = ["AlignedPairs", "align_tokens", "fused_moe", "max_blocks", "select_ex
 
 SCALE_GROUP = 128  # rows and columns per FP8 weight-scale block
 TRITON_MAX_EXPERTS = 1024  # the triton alignment holds one counter per expert in registers
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)  # float32: reference only
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # fp32/fp64: reference only (fp64: gradchecks)
 
 
 def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequantized_fp8: bool = False,
@@ -162,7 +162,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     Products accumulate in fp32; the intermediate ``silu(gate) * up`` and each pair's weighted
     output are rounded to x's dtype; the sum over the k pairs is fp32. Returns out [T, H].
     """
-    check_tensor("x", x, ACTIVATION_DTYPES, [None, None], "bf16/fp32 [T, H]")
+    check_tensor("x", x, ACTIVATION_DTYPES, [None, None], "bf16/fp32/fp64 [T, H]")
     tokens, hidden = x.shape
     check(hidden >= 1, f"x must have H >= 1, got {list(x.shape)}")
     _check_weights(x, w13, w2, w13_scale, w2_scale)
