@@ -12,13 +12,15 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.serve.structured import StructuredFields
+from flashdsa.serve.tools import ToolCall, ToolFields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """The sampling fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -84,6 +86,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -91,7 +95,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
