@@ -143,7 +143,8 @@ class Grammars:
 
     def bitmask(self, matchers: list[Optional[xgr.GrammarMatcher]], device: torch.device) -> Optional[torch.Tensor]:
         """[N, ceil(vocab / 32)] int32 on device for matchers[i] (None: every token allowed), or
-        None when no row has a grammar. One host-to-device copy."""
+        None when no row has a grammar. One host-to-device copy; valid until the next call (on
+        the CPU it is the reused host buffer itself)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
