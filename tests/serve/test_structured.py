@@ -154,3 +154,16 @@ def test_sampled_choices_each_follow_the_grammar(tok):
     with pytest.raises(ValueError, match="guided_regex: cannot compile"):
         engine.add_request("bad", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[", source="guided_regex")))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_stay_in_the_text_when_asked(tok, skip):
+    """DeepSeek-V3.2's DSML marker is a special token: tool calls only parse when it is kept."""
+    dsml = tok.convert_tokens_to_ids("｜DSML｜")
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": dsml}, {"type": "const_string", "value": "call"}]}}
+    engine = LLMEngine(FakeModel(len(tok)), tok, EngineConfig(num_blocks=8))
+    params = SamplingParams(temperature=0, max_tokens=20, skip_special_tokens=skip,
+                            structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    out = run(engine, {"r": ([3, 4], params)})["r"]
+    assert out["ids"][0] == dsml and out["text"] == ("call" if skip else "｜DSML｜call")
