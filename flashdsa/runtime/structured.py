@@ -13,6 +13,7 @@ every token. The sampled tokens, read back once per step anyway, advance the mat
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -110,15 +111,16 @@ class Grammars:
     request); the bitmask and the matchers belong to the engine thread.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 8, cache_mib: int = 512) -> None:
+    def __init__(self, tokenizer, vocab_size: int, cache_mib: int = 512) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.max_threads = max_threads
+        self.max_threads = min(8, os.cpu_count() or 1)
         self.cache_bytes = cache_mib << 20  # compiled grammars kept (least recently used dropped first)
         self._compiler: Optional[xgr.GrammarCompiler] = None
         self._lock = threading.Lock()
         self._batch: Optional[xgr.BatchGrammarMatcher] = None
         self._bitmask: Optional[torch.Tensor] = None  # host rows reused every step (pinned for CUDA)
+        self._copied: Optional[torch.cuda.Event] = None  # the last copy out of those rows
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -154,13 +156,17 @@ class Grammars:
             if device.type == "cuda":
                 self._bitmask = self._bitmask.pin_memory()
         if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(self.max_threads)
-        # Reusing the rows is safe: the previous step's copy has finished, since its sampled
-        # tokens were read back on the host before this step began.
+            self._batch = xgr.BatchGrammarMatcher("auto")  # half the hardware threads
+        if self._copied is not None:
+            self._copied.synchronize()  # done long ago in practice: the sampled tokens were read back since
         host = self._bitmask[:n]
         host.fill_(-1)
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], host, indices=rows)
-        return host.to(device, non_blocking=True)
+        on_device = host.to(device, non_blocking=True)
+        if device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(device))
+        return on_device
 
 
 def advance(matcher: xgr.GrammarMatcher, token: int) -> bool:

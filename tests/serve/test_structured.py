@@ -72,15 +72,21 @@ def test_min_tokens_cannot_join_a_grammar():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab_extra", [0, 5, 37])  # model vocabularies past the tokenizer's
-def test_bitmask_rows_and_apply_match_each_matcher(tok, vocab_extra):
-    vocab = len(tok) + vocab_extra
+def test_bitmask_rows_and_apply_match_each_matcher(tok, vocab_extra, device):
+    vocab, device = len(tok) + vocab_extra, torch.device(device)
     grammars = Grammars(tok, vocab)
     json_matcher = grammars.matcher(StructuredOutputsParams(json=SCHEMA))
     assert json_matcher.accept_string('{"name": "b')  # part way: only "ob" can follow
     matchers = [None, json_matcher, grammars.matcher(StructuredOutputsParams(choice=["yes", "no"])), None,
                 grammars.matcher(StructuredOutputsParams(regex=r"[0-9]{2}"))]
-    bitmask = grammars.bitmask(matchers, torch.device("cpu")).clone()  # valid until the next call: copy it
+    bitmask = grammars.bitmask(matchers, device).clone()  # valid until the next call: copy it
+    assert bitmask.device.type == device.type
+    bitmask = bitmask.cpu()
     assert bitmask.shape == (5, (vocab + 31) // 32) and bitmask.dtype == torch.int32
     for i, matcher in enumerate(matchers):
         if matcher is None:
@@ -90,13 +96,14 @@ def test_bitmask_rows_and_apply_match_each_matcher(tok, vocab_extra):
             matcher.fill_next_token_bitmask(alone)
             assert torch.equal(bitmask[i], alone[0])
             assert 0 < int(allowed_tokens(bitmask[i], vocab).sum()) < len(tok)
-    assert grammars.bitmask([None, None], torch.device("cpu")) is None
-    again = grammars.bitmask(matchers[::-1], torch.device("cpu"))  # the rows are reused: refilled, not stale
-    assert torch.equal(again, bitmask.flip(0))
+    assert grammars.bitmask([None, None], device) is None
+    again = grammars.bitmask(matchers[::-1], device)  # the rows are reused: refilled, not stale
+    assert torch.equal(again.cpu(), bitmask.flip(0))
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[:, ::7] = float("nan")  # poisoned entries: kept where allowed, -inf where forbidden
-    masked = logits.clone()
-    apply_bitmask(masked, bitmask)
+    masked = logits.to(device)
+    apply_bitmask(masked, bitmask.to(device))
+    masked = masked.cpu()
     allowed = torch.stack([allowed_tokens(row, vocab) for row in bitmask])
     want = logits.masked_fill(~allowed, float("-inf"))
     assert torch.equal(masked.isnan(), want.isnan()) and torch.equal(masked.nan_to_num(0), want.nan_to_num(0))
@@ -167,3 +174,17 @@ def test_special_tokens_stay_in_the_text_when_asked(tok, skip):
                             structured_outputs=StructuredOutputsParams(structural_tag=tag))
     out = run(engine, {"r": ([3, 4], params)})["r"]
     assert out["ids"][0] == dsml and out["text"] == ("call" if skip else "｜DSML｜call")
+
+
+@pytest.mark.gpu
+def test_default_model_on_cuda_follows_a_schema():
+    from flashdsa.defaults import DEFAULT_MODEL
+    from flashdsa.runtime.llm import LLM
+
+    llm = LLM(DEFAULT_MODEL, device="cuda", mode="reference", max_num_seqs=4)
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=300, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+              for t in (0, 1)]
+    outputs = [llm.generate(["ROMEO:", "JULIET:"], p, use_tqdm=False) for p in params]
+    for result in outputs:
+        for prompt in result:
+            assert matches_schema(json.loads(prompt.outputs[0].text)) and prompt.outputs[0].finish_reason == "stop"
