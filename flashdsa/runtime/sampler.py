@@ -2,10 +2,10 @@
 
 Order, as in vLLM: penalties (repetition on prompt + output, presence and frequency on the
 output), the structured-output grammars' token bitmask, min_tokens (EOS and stop ids masked
-until reached), then greedy rows take the argmax
-and the rest divide by temperature, keep the top_k, the top_p nucleus and tokens with
-p >= min_p * p_max, and sample with the exponential race argmax(p / q), q ~ Exp(1), drawing q
-from the request's own generator when it set a seed (so its tokens do not depend on the batch).
+until reached), then greedy rows take the argmax and the rest divide by temperature, keep the
+top_k, the top_p nucleus and tokens with p >= min_p * p_max, and sample with the exponential
+race argmax(p / q), q ~ Exp(1), drawing q from the request's own generator when it set a seed
+(so its tokens do not depend on the batch).
 Log-probabilities are those of the raw model distribution, before any of this.
 """
 
