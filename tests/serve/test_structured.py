@@ -188,3 +188,15 @@ def test_default_model_on_cuda_follows_a_schema():
     for result in outputs:
         for prompt in result:
             assert matches_schema(json.loads(prompt.outputs[0].text)) and prompt.outputs[0].finish_reason == "stop"
+
+
+def test_after_reasoning_the_grammar_starts_at_the_end_of_thinking(tok):
+    grammars = Grammars(tok, len(tok))
+    compiled = grammars.compile(StructuredOutputsParams(choice=["yes", "no"], after_reasoning=True))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts("Hmm, yes or no? no.</think>yes") and accepts("</think>no")
+    assert not accepts("yes") and not accepts("a</think>b</think>yes") and not accepts("a</think>maybe")
