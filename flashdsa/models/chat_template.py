@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from importlib import resources
 
+THINK_START, THINK_END = "<think>", "</think>"  # around the reasoning of thinking mode
+DSML = "｜DSML｜"  # the marker of the tool-call markup (a special token in DeepSeek-V3.2's tokenizer)
 CHAT_TEMPLATE = (resources.files("flashdsa") / "assets" / "chat_template.jinja").read_text(encoding="utf-8")
 
 

@@ -11,11 +11,10 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from flashdsa.models.chat_template import CHAT_TEMPLATE
+from flashdsa.models.chat_template import CHAT_TEMPLATE, DSML, THINK_END, THINK_START
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-THINK_START, THINK_END, DSML = "<think>", "</think>", "｜DSML｜"
 # ids 0..6: bos 0, eos 1 as in DeepSeek's config. DSML (the tool-call markup) is a special token
 # in DeepSeek-V3.2's tokenizer too, so tests see tool calls that only parse with special tokens kept.
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML]

@@ -22,7 +22,8 @@ from typing import Any, Optional, Union
 import torch
 import xgrammar as xgr
 
-THINK_END = "</think>"
+from flashdsa.models.chat_template import THINK_END
+
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its messages
 # Longest whitespace run JSON may hold: deep enough for pretty-printing, and a model that
 # prefers whitespace (as small ones do) cannot pad forever without ever closing the document.

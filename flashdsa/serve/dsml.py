@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-DSML = "｜DSML｜"
-THINK_END = "</think>"
+from flashdsa.models.chat_template import DSML, THINK_END
+
 CALLS_BEGIN = f"<{DSML}function_calls>"
 CALLS_END = f"</{DSML}function_calls>"
 INVOKE_END = f"</{DSML}invoke>"
