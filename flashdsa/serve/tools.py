@@ -12,6 +12,7 @@ requests keep special tokens in it (DeepSeek-V3.2's DSML marker is one).
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import replace
@@ -19,12 +20,15 @@ from typing import Any, Literal, Optional, Union
 
 import xgrammar as xgr
 from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
 
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.structured import MAX_JSON_WHITESPACE, StructuredOutputsParams
 from flashdsa.serve.structured import FieldError, with_grammar
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; the name is quoted in the DSML call
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (tokenize, chat_template, ...)
+RESERVED_TEMPLATE_KWARGS = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
 
 class FunctionDefinition(BaseModel):
@@ -77,8 +81,11 @@ class ToolFields(BaseModel):
         """Whether the model may call tools (they are in the prompt and its calls are parsed)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def check_tools(self) -> None:
-        """FieldError for bad tool names, duplicates, or a tool_choice the tools cannot meet."""
+    def check_fields(self) -> None:
+        """FieldError for bad tool names, duplicates, a tool_choice the tools cannot meet, or
+        chat_template_kwargs that would set apply_chat_template's own arguments."""
+        for key in RESERVED_TEMPLATE_KWARGS.intersection(self.chat_template_kwargs or {}):
+            raise FieldError(f"chat_template_kwargs may not set {key!r}", f"chat_template_kwargs.{key}")
         names = [tool.function.name for tool in self.tools or []]
         for i, name in enumerate(names):
             if not TOOL_NAME.fullmatch(name):
@@ -140,7 +147,7 @@ async def chat_params(engine, body, params: SamplingParams) -> SamplingParams:
     """params of a chat request (a ToolFields and StructuredFields body): its grammar (a forced
     tool call, or response_format / guided_*, after the reasoning in thinking mode) compiled, and
     special tokens kept in the text when tool calls or reasoning are parsed from it."""
-    body.check_tools()
+    body.check_fields()
     forced = body.tool_grammar()
     structured = body.structured_outputs(after_reasoning=body.thinking)
     if forced is not None and structured is not None:

@@ -99,6 +99,7 @@ def test_choice_and_regex(default_server):
     ("completions", {"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
     ("chat", {"guided_choice": ["a"], "min_tokens": 2}, "guided_choice"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
     ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ("chat", {"tools": [WEATHER], "tool_choice": "required", "guided_choice": ["a"]}, "tool_choice"),
     ("chat", {"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
