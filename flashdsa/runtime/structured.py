@@ -78,7 +78,8 @@ class StructuredOutputsParams:
         else:  # json_object: as vLLM's, a JSON object or array
             form = _json_format({"type": ["object", "array"]})
         if self.after_reasoning:
-            reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text", "excludes": [THINK_END]}, "end": THINK_END}
+            thoughts = {"type": "any_text", "excludes": [THINK_END]}
+            reasoning = {"type": "tag", "begin": "", "content": thoughts, "end": THINK_END}
             form = {"type": "sequence", "elements": [reasoning, form]}
         return json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)
 
@@ -127,7 +128,8 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_limit_bytes=self.cache_bytes)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads,
+                                                     cache_limit_bytes=self.cache_bytes)
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:

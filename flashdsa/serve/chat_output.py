@@ -43,8 +43,9 @@ class ChatChoice:
     def _call_delta(self, index: int, name: Optional[str], arguments: str) -> dict:
         if name is not None:  # the call's first delta: it gets its id
             call_id = f"call_{uuid.uuid4().hex[:24]}"
-            self.tool_calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-            return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            self.tool_calls.append(call)
+            return {"index": index, **call, "function": dict(call["function"])}  # its own copy: the call grows
         self.tool_calls[index]["function"]["arguments"] += arguments
         return {"index": index, "function": {"arguments": arguments}}
 

@@ -33,7 +33,8 @@ INVOKE_START = f'<{DSML}invoke name="'
 PARAMETER_START = f'<{DSML}parameter name="'
 PARAMETER_END = f"</{DSML}parameter>"
 _INVOKE = re.compile(re.escape(INVOKE_START) + r'([^"]*)">')
-_PARAMETER = re.compile(re.escape(PARAMETER_START) + r'([^"]*)" string="(true|false)">(.*?)' + re.escape(PARAMETER_END), re.DOTALL)
+_PARAMETER = re.compile(
+    re.escape(PARAMETER_START) + r'([^"]*)" string="(true|false)">(.*?)' + re.escape(PARAMETER_END), re.DOTALL)
 _CALLS_PREFIX = "\n\n"  # what the format puts between the reply text and the calls block
 
 
@@ -135,7 +136,8 @@ class OutputParser:
         elif (match := _PARAMETER.match(buffer)) and self.num_parameters is not None:
             key, is_string, value = match.groups()
             separator = ", " if self.num_parameters else "{"
-            self._add_arguments(out, f"{separator}{json.dumps(key, ensure_ascii=False)}: {_json_value(value, is_string)}")
+            name = json.dumps(key, ensure_ascii=False)
+            self._add_arguments(out, f"{separator}{name}: {_json_value(value, is_string)}")
             self.num_parameters += 1
             self._take(match.end())
         elif _incomplete(buffer):

@@ -136,7 +136,8 @@ def template_messages(messages: list) -> list[dict]:
             if not isinstance(arguments, dict):
                 raise FieldError("tool call arguments must be a JSON object",
                                  f"messages[{i}].tool_calls[{j}].function.arguments")
-            calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": "function", "function": function})
         if calls:
             entry["tool_calls"] = calls
         result.append(entry)

@@ -12,7 +12,8 @@ from flashdsa.models.chat_template import CHAT_TEMPLATE, apply_chat_template
 BOS, EOS, D = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "｜DSML｜"
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Météo",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "x": [True, None]}}}
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "x": [True, None]}}}
 INVOKE = (f'<{D}invoke name="get_weather">\n'
           f'<{D}parameter name="city" string="true">Paris</{D}parameter>\n'
           f'<{D}parameter name="days" string="false">3</{D}parameter>\n'
@@ -49,7 +50,8 @@ def test_tools_calls_and_results(tok):
     assert f'<{D}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{D}parameter>' in head
     calls = f"\n\n<{D}function_calls>\n{INVOKE}\n{INVOKE}\n</{D}function_calls>"
     assert tail == ("<｜User｜>weather?<｜Assistant｜><think>need it</think>Checking." + calls + EOS
-                    + "\n\n<function_results>\n<result>sunny</result>\n<result>rain</result>\n</function_results>\n\n<think>")
+                    + "\n\n<function_results>\n<result>sunny</result>\n<result>rain</result>"
+                    + "\n</function_results>\n\n<think>")
     without_thinking = render(tok, messages[:3] + [{"role": "tool", "content": "rain"}])
     assert without_thinking.endswith("</function_results>\n\n</think>") and "need it" not in without_thinking
 

@@ -154,12 +154,14 @@ def test_one_batch_mixes_grammars_and_free_text(tok):
 def test_sampled_choices_each_follow_the_grammar(tok):
     engine = LLMEngine(FakeModel(len(tok)), tok, EngineConfig(num_blocks=32))
     choices = ["red", "green", "blue", "dark red"]
-    params = SamplingParams(temperature=1.5, seed=3, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=choices))
+    grammar = StructuredOutputsParams(choice=choices)
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=20, structured_outputs=grammar)
     outputs = run(engine, {f"c{j}": ([4, 4, j], params.for_choice(j)) for j in range(8)})
     assert all(o["text"] in choices and o["finish"] == "stop" for o in outputs.values())
     assert len({o["text"] for o in outputs.values()}) > 1
     with pytest.raises(ValueError, match="guided_regex: cannot compile"):
-        engine.add_request("bad", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[", source="guided_regex")))
+        bad = StructuredOutputsParams(regex="[", source="guided_regex")
+        engine.add_request("bad", [1], SamplingParams(structured_outputs=bad))
     assert not engine.has_unfinished()
 
 

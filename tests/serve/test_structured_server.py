@@ -84,7 +84,8 @@ def test_choice_and_regex(default_server):
     chat = client.chat.completions.create(model="m", messages=ASK, n=4, temperature=1.2, seed=5, max_tokens=20,
                                           extra_body={"guided_choice": choices})
     assert all(c.message.content in choices and c.finish_reason == "stop" for c in chat.choices)
-    text = client.completions.create(prompt="ROMEO:", max_tokens=30, extra_body={"guided_regex": r"[A-Z]{2}-\d{3}"}, **greedy())
+    text = client.completions.create(prompt="ROMEO:", max_tokens=30, extra_body={"guided_regex": r"[A-Z]{2}-\d{3}"},
+                                     **greedy())
     assert len(text.choices[0].text) == 6 and text.choices[0].text[2] == "-"
 
 
@@ -186,7 +187,8 @@ def test_named_tool_call_streams_as_it_returns(tiny_server):
 
 def test_tool_results_come_back_into_the_prompt(tiny_server):
     client = client_of(tiny_server)
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 2}'}}
     messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     reply = client.chat.completions.create(messages=messages, tools=[WEATHER], max_tokens=4, **greedy())
