@@ -81,6 +81,11 @@ class ToolFields(BaseModel):
         """Whether the model may call tools (they are in the prompt and its calls are parsed)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
     def check_fields(self) -> None:
         """FieldError for bad tool names, duplicates, a tool_choice the tools cannot meet, or
         chat_template_kwargs that would set apply_chat_template's own arguments."""
@@ -93,8 +98,7 @@ class ToolFields(BaseModel):
                                  f"tools[{i}].function.name")
             if name in names[:i]:
                 raise FieldError(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}].function.name")
-        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        if forced and not names:
+        if self.forces_call and not names:
             raise FieldError("tool_choice 'required' or a named function needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise FieldError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools", "tool_choice")
@@ -107,15 +111,15 @@ class ToolFields(BaseModel):
 
     def tool_grammar(self) -> Optional[StructuredOutputsParams]:
         """The grammar that forces a call ("required" or a named function), else None."""
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            choice = self.tool_choice if self.tool_choice == "required" else self.tool_choice.model_dump()
-            tag = xgr.get_model_structural_tag(
-                "deepseek_v3_2", tools=self.prompt_tools(), tool_choice=choice,
-                reasoning="enabled" if self.thinking else "disabled",
-                parallel_tool_calls=self.parallel_tool_calls, max_whitespace_cnt=MAX_JSON_WHITESPACE,
-            )
-            return StructuredOutputsParams(structural_tag=tag.model_dump_json(), source="tools")
-        return None
+        if not self.forces_call:
+            return None
+        choice = self.tool_choice if self.tool_choice == "required" else self.tool_choice.model_dump()
+        tag = xgr.get_model_structural_tag(
+            "deepseek_v3_2", tools=self.prompt_tools(), tool_choice=choice,
+            reasoning="enabled" if self.thinking else "disabled",
+            parallel_tool_calls=self.parallel_tool_calls, max_whitespace_cnt=MAX_JSON_WHITESPACE,
+        )
+        return StructuredOutputsParams(structural_tag=tag.model_dump_json(), source="tools")
 
 
 def template_messages(messages: list) -> list[dict]:
