@@ -18,6 +18,7 @@ import torch
 
 from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.caches import MODES
+from flashdsa.models.chat_template import apply_chat_template
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import BLOCK_SIZE
@@ -42,7 +43,7 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer(text).input_ids
     messages = [{"role": "user", "content": text}]
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rendered = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
     return tokenizer(rendered, add_special_tokens=False).input_ids
 
 

@@ -1,4 +1,4 @@
-"""A small byte-level BPE tokenizer with DeepSeek's special tokens and chat template, built offline.
+"""A small byte-level BPE tokenizer with DeepSeek-V3.2's special tokens and chat template, built offline.
 
 Trained on a few KB of built-in text, so tiny checkpoints need no download.
 """
@@ -11,17 +11,13 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from flashdsa.models.chat_template import CHAT_TEMPLATE, DSML, THINK_END, THINK_START
+
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT]  # ids 0..3: bos 0, eos 1 as in DeepSeek's config
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    f"{{% elif m['role'] == 'user' %}}{USER}{{{{ m['content'] }}}}"
-    f"{{% else %}}{ASSISTANT}{{{{ m['content'] }}}}{{{{ eos_token }}}}{{% endif %}}"
-    f"{{% endfor %}}{{% if add_generation_prompt %}}{ASSISTANT}{{% endif %}}"
-)
+# ids 0..6: bos 0, eos 1 as in DeepSeek's config. DSML (the tool-call markup) is a special token
+# in DeepSeek-V3.2's tokenizer too, so tests see tool calls that only parse with special tokens kept.
+SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML]
 
 TRAINING_TEXT = """\
 DeepSeek Sparse Attention lets every query token attend to a small set of earlier tokens chosen

@@ -18,8 +18,12 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for tokenize
 class Detokenizer:
     """Turns one request's output tokens into text, one token at a time."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False) -> None:
+    def __init__(
+        self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already released
         self.read_offset = len(self.ids)
@@ -30,7 +34,7 @@ class Detokenizer:
         self.num_sent = 0  # characters of text already handed out by delta()
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int, final: bool = False) -> Optional[str]:
         """Append one token; return the stop string it completed, if any (text is then cut).

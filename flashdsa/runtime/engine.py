@@ -23,6 +23,7 @@ from flashdsa.runtime.sampler import sample, sampled_logprobs, token_logprobs
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from flashdsa.runtime.sequence import BLOCK_SIZE, Sequence, TokenLogprobs
+from flashdsa.runtime.structured import Grammars, advance
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.num_blocks, self.device, self.config.max_num_seqs, max_len,
                                   self.config.enforce_eager)
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_token_time: dict[str, float] = {}
 
@@ -123,8 +125,10 @@ class LLMEngine:
         max_tokens = self.check_request(prompt_token_ids, params)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, eos)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars.matcher(params.structured_outputs)
         self.detokenizers[request_id] = Detokenizer(
-            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output
+            self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
         self.scheduler.add(seq)
         return seq
@@ -151,7 +155,8 @@ class LLMEngine:
         seqs = [c.seq for _, c in sampling]
         rows = [step_logits.row_start[i] + step_logits.num_rows[i] - 1 for i, _ in sampling]
         logits = step_logits.logits[rows]
-        tokens = sample(logits, seqs) if seqs else torch.empty(0, dtype=torch.int64)
+        bitmask = self.grammars.bitmask([s.matcher for s in seqs], self.device)
+        tokens = sample(logits, seqs, bitmask) if seqs else torch.empty(0, dtype=torch.int64)
         logprobs = sampled_logprobs(logits, tokens, seqs)
         for i, chunk in enumerate(chunks):
             if chunk.seq.wants_prompt_logprobs:
@@ -181,10 +186,13 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs: Optional[TokenLogprobs]) -> RequestOutput:
         seq.append_token(token)
         params = seq.params
+        grammar_ended = seq.matcher is not None and advance(seq.matcher, token)
         if token == seq.eos_token_id and not params.ignore_eos and seq.num_output_tokens > params.min_tokens:
             seq.finish("stop")
         elif token in params.stop_token_ids:
             seq.finish("stop", token)
+        elif grammar_ended:
+            seq.finish("stop")
         elif seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
             seq.finish("length")
         detok = self.detokenizers[seq.request_id]

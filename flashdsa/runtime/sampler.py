@@ -1,10 +1,11 @@
 """Next-token sampling for a batch of sequences, vectorised over the batch.
 
 Order, as in vLLM: penalties (repetition on prompt + output, presence and frequency on the
-output), min_tokens (EOS and stop ids masked until reached), then greedy rows take the argmax
-and the rest divide by temperature, keep the top_k, the top_p nucleus and tokens with
-p >= min_p * p_max, and sample with the exponential race argmax(p / q), q ~ Exp(1), drawing q
-from the request's own generator when it set a seed (so its tokens do not depend on the batch).
+output), the structured-output grammars' token bitmask, min_tokens (EOS and stop ids masked
+until reached), then greedy rows take the argmax and the rest divide by temperature, keep the
+top_k, the top_p nucleus and tokens with p >= min_p * p_max, and sample with the exponential
+race argmax(p / q), q ~ Exp(1), drawing q from the request's own generator when it set a seed
+(so its tokens do not depend on the batch).
 Log-probabilities are those of the raw model distribution, before any of this.
 """
 
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
+from flashdsa.runtime.structured import apply_bitmask
 
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -87,9 +89,15 @@ def _exponential_noise(shape: torch.Size, seqs: list[Sequence], device: torch.de
     return q
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits: [N, vocab] fp32 raw model output, row i for seqs[i] -> next tokens [N] int64."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits: [N, vocab] fp32 raw model output, row i for seqs[i] -> next tokens [N] int64.
+
+    token_bitmask: [N, ceil(vocab / 32)] int32 on the logits' device, the tokens each row's grammar
+    allows (runtime/structured.py), or None.
+    """
     logits = apply_penalties(logits.clone(), seqs)
+    if token_bitmask is not None:
+        apply_bitmask(logits, token_bitmask)
     mask_until_min_tokens(logits, seqs)
     greedy_tokens = logits.argmax(dim=1)
     if all(s.params.greedy for s in seqs):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from flashdsa.runtime.checks import check
+from flashdsa.runtime.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
 
@@ -20,6 +21,8 @@ class SamplingParams:
     max_tokens None means "up to the model's length limit". logprobs N returns the sampled token's
     log-probability plus the N most likely (raw model distribution); prompt_logprobs likewise for
     the prompt tokens. Stop strings are cut from the text unless include_stop_str_in_output.
+    structured_outputs constrains the output to a grammar (JSON schema, regex, choice, ...);
+    skip_special_tokens drops special tokens from the text (keep them to parse tool calls).
     """
 
     n: int = 1
@@ -39,6 +42,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,10 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        check(  # both decide where the output may end; together they can leave no token to sample
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens cannot be combined with structured outputs (the grammar decides where the output ends)",
+        )
 
     @property
     def greedy(self) -> bool:

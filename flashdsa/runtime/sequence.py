@@ -64,6 +64,7 @@ class Sequence:
         self.stop_reason: Optional[str | int] = None
         self.arrival_time = time.monotonic()
         self.generator: Optional[torch.Generator] = None
+        self.matcher = None  # the xgrammar matcher of a structured-output request (engine-owned)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

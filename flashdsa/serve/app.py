@@ -17,9 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from flashdsa.models.chat_template import apply_chat_template
 from flashdsa.runtime.async_engine import AsyncLLM, QueueFull
 from flashdsa.serve.metrics import ServerMetrics
 from flashdsa.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from flashdsa.serve.tools import template_messages
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                500: "internal_error", 503: "service_unavailable"}
@@ -52,11 +54,15 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of messages rendered by the tokenizer's chat template."""
-        dicts = [{"role": m.role, "content": m.text()} for m in messages]
+    def chat_prompt(
+        self, messages: list, add_generation_prompt: bool = True, tools: Optional[list[dict]] = None,
+        template_kwargs: Optional[dict] = None,
+    ) -> list[int]:
+        """Token ids of messages (and tools) rendered by the chat template (models/chat_template.py)."""
+        dicts = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = apply_chat_template(self.tokenizer, dicts, tools=tools, add_generation_prompt=add_generation_prompt,
+                                       **(template_kwargs or {}))
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -104,7 +110,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def on_value_error(request: Request, exc: ValueError):
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(QueueFull)
     async def on_queue_full(request: Request, exc: QueueFull):

@@ -13,6 +13,7 @@ from flashdsa.runtime.sequence import TokenLogprobs
 from flashdsa.serve.app import APIError, ServerState
 from flashdsa.serve.generation import merge, new_id, sse_stream, start_choices, token_text, usage, while_connected
 from flashdsa.serve.protocol import CompletionRequest
+from flashdsa.serve.structured import with_grammar
 
 
 def prompt_lists(state: ServerState, prompt) -> tuple[list[list[int]], list]:
@@ -91,6 +92,7 @@ async def completions(state: ServerState, body: CompletionRequest, request: Requ
     prompts, sent = prompt_lists(state, body.prompt)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = body.sampling_params(body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+    params = await with_grammar(state.llm.engine, params, body.structured_outputs())
     request_id = new_id("cmpl")
     streams = start_choices(state, request_id, prompts, params)
     choices = [CompletionChoice(state, body, prompts[i // params.n], sent[i // params.n])

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their sampling parameters.
 
 Fields follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, min_tokens,
-stop_token_ids, ignore_eos, include_stop_str_in_output). Unknown fields are ignored, as in vLLM;
+stop_token_ids, ignore_eos, include_stop_str_in_output); structured outputs (serve/structured.py)
+and, on chat, tools and reasoning (serve/tools.py). Unknown fields are ignored, as in vLLM;
 wrong types are rejected by pydantic and out-of-range values by SamplingParams (both: 400).
 """
 
@@ -12,13 +13,15 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.serve.structured import StructuredFields
+from flashdsa.serve.tools import ToolCall, ToolFields
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """The sampling fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -84,6 +87,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
+    reasoning_content: Optional[str] = None  # an assistant turn's (rendered only in thinking mode)
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None  # a tool result's; results are rendered in message order
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -91,7 +97,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None

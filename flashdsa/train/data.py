@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from flashdsa.models.chat_template import apply_chat_template
+
 
 def read_documents(path: str | Path, tokenizer) -> list[str]:
     """The documents of a ``.txt`` or ``.jsonl`` file as strings (chats rendered by the chat template)."""
@@ -29,7 +31,7 @@ def read_documents(path: str | Path, tokenizer) -> list[str]:
         if isinstance(record.get("text"), str):
             documents.append(record["text"])
         elif isinstance(record.get("messages"), list):
-            documents.append(tokenizer.apply_chat_template(record["messages"], tokenize=False))
+            documents.append(apply_chat_template(tokenizer, record["messages"]))
         else:
             raise ValueError(f"{path}:{number}: each line needs a string 'text' or a list 'messages'")
     if not documents:
@@ -38,11 +40,13 @@ def read_documents(path: str | Path, tokenizer) -> list[str]:
 
 
 def token_stream(documents: list[str], tokenizer) -> torch.Tensor:
-    """``[N] int64``: each document's token ids followed by EOS, all concatenated."""
+    """``[N] int64``: each document's token ids ending with one EOS (a chat rendered by the chat
+    template ends with it already), all concatenated."""
     ids: list[int] = []
     for document in documents:
         ids.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
-        ids.append(tokenizer.eos_token_id)
+        if ids[-1:] != [tokenizer.eos_token_id]:
+            ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.int64)
 
 

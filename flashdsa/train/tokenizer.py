@@ -2,8 +2,8 @@
 
 Byte-level means every byte string is encodable (no unknown token) and decoding is lossless.
 Ids 0, 1, 2 are the special tokens ``<|bos|>``, ``<|eos|>``, ``<|pad|>`` (the model config's
-bos/eos/pad ids). The chat template puts each message's content on its own line, so a chat prompt
-reads like the plain text the small models are trained on.
+bos/eos/pad ids). The chat template is DeepSeek-V3.2's (models/chat_template.py); its role and
+tool markers are plain text to this tokenizer.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import Iterable
 
+from flashdsa.models.chat_template import CHAT_TEMPLATE
 from flashdsa.models.tiny_tokenizer import byte_level_bpe
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir: str | Path) -> Path:

@@ -74,7 +74,7 @@ def test_streamed_pieces_add_up_to_the_decoded_output(model, tokenizer, random_i
 
 def test_chat_prompt_uses_the_template(tokenizer):
     ids = encode_prompt(tokenizer, "hi", chat=True)
-    assert ids[:2] == [0, 2] and ids[-1] == 3  # BOS, <｜User｜> ... <｜Assistant｜>
+    assert ids[:2] == [0, 2] and ids[-2:] == [3, 5]  # BOS, <｜User｜> ... <｜Assistant｜></think>
     assert encode_prompt(tokenizer, "hi", chat=False)[0] == 0
 
 
