@@ -1,6 +1,8 @@
 """Test helpers shared by the CPU and GPU kernel tests (device-agnostic).
 
-- poison: NaN-filled outputs, so an element a kernel forgot to write fails the comparison;
+- poison: NaN-filled outputs, so an element a kernel forgot to write fails the comparison (also
+  for outputs a backend allocates itself: the CUDA allocator flooded with NaN, or on CPU
+  ``torch.empty`` patched to poison);
 - FlashMLA-style comparators: elementwise abs-or-rel tolerance plus a cosine-distance bound;
 - random indices with invalid (-1), out-of-range (< -1 or >= s_kv) and duplicate entries;
 - a random FP8 paged MLA cache with a random block table, and position -> slot id mapping;
@@ -10,11 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -41,6 +44,24 @@ def flood_cuda_allocator_with_nan(device: torch.device, nbytes: int = 256 << 20)
     ``torch.empty`` start poisoned (an element it forgets to write fails as NaN); no-op off CUDA."""
     if device.type == "cuda":
         torch.full((nbytes // 4,), float("nan"), device=device)
+
+
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Inside this block ``torch.empty`` returns tensors filled like :func:`poisoned` (NaN, or the
+    integer maximum), so outputs a backend allocates start poisoned on CPU too. For the
+    interpreter subprocesses of kernel tests; restores ``torch.empty`` on exit."""
+    empty = torch.empty
+
+    def poisoning(*size, **kwargs):
+        t = empty(*size, **kwargs)
+        return t.fill_(float("nan") if t.dtype.is_floating_point else torch.iinfo(t.dtype).max)
+
+    torch.empty = poisoning
+    try:
+        yield
+    finally:
+        torch.empty = empty
 
 
 def cosine_distance(got: torch.Tensor, ref: torch.Tensor) -> float:

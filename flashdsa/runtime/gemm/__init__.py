@@ -7,7 +7,10 @@ DeepSeek-V3.2 uses power-of-two scales there (``scale_fmt: ue8m0``). The product
 fp32. A last group narrower than 128 (K or N not a multiple of 128) is scaled by its own amax.
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device: dequantizes the
-operands of each call, never a whole model) and ``triton`` (CUDA).
+operands of each call, never a whole model) and ``triton`` (CUDA; the GEMM needs FP8 tensor cores,
+compute capability >= 8.9, the quantizer any CUDA GPU). The Triton GEMM picks its launch shape
+from (M, N, K) alone (``triton/configs.py``): nothing is timed at run time, so every call can be
+captured in a CUDA graph. Neither op reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -25,8 +28,21 @@ __all__ = ["GROUP", "quantize_activations", "quantize_weight", "fp8_gemm", "fp8_
 GROUP = 128  # channels per activation scale; rows and columns per weight-scale block
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core dots: Ada and Hopper onwards
+
+
+def _triton_gemm_supports(capability: Optional[tuple[int, int]] = None, **_) -> Optional[str]:
+    """Why the Triton GEMM cannot run on this device, or None (capability None: no CUDA device,
+    e.g. the CPU interpreter)."""
+    if capability is not None and capability < FP8_CAPABILITY:
+        return f"triton fp8_gemm needs FP8 tensor cores (compute capability >= 8.9), got {capability}"
+    return None
+
+
 for _op in ("quantize_activations", "fp8_gemm"):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
+dispatch.register("quantize_activations", "triton", f"{__name__}.triton.quantize:quantize_activations")
+dispatch.register("fp8_gemm", "triton", f"{__name__}.triton.gemm:fp8_gemm", supports=_triton_gemm_supports)
 
 
 def _groups(n: int) -> int:
@@ -35,12 +51,14 @@ def _groups(n: int) -> int:
 
 def quantize_activations(x: torch.Tensor, *, pow2_scales: bool = False,
                          backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x: [M, K]`` bf16/fp16/fp32 per token and 128 channels.
+    """Quantize ``x: [M, K]`` bf16/fp16/fp32 (any strides) per token and 128 channels.
 
-    Returns ``(x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32)`` with
-    ``scale = amax / 448`` (amax clamped at 1e-4), rounded up to a power of two with ``pow2_scales``.
+    Returns ``(x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32)`` with ``x ~= x_fp8 * x_scale``,
+    ``scale = amax / 448`` (amax clamped at 1e-4) over each group of 128 channels (the last one
+    possibly narrower), rounded up to a power of two with ``pow2_scales``; values are divided by
+    the scale, clamped to +-448 and rounded to nearest even. Both backends give the same bytes.
     """
-    check_tensor("x", x, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [M, K]")
+    check_tensor("x", x, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [M, K]", contiguous=False)
     check(x.shape[1] > 0, f"x must have K > 0, got {list(x.shape)}")
     impl = dispatch.select("quantize_activations", x.device, backend)
     return impl(x, pow2_scales)
@@ -76,7 +94,9 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_
     """
     _check_gemm(x_fp8, x_scale, w_fp8, w_scale)
     check(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype}")
-    impl = dispatch.select("fp8_gemm", x_fp8.device, backend, m=x_fp8.shape[0], n=w_fp8.shape[0], k=x_fp8.shape[1])
+    device = x_fp8.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    impl = dispatch.select("fp8_gemm", device, backend, capability=capability)
     return impl(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
 
 

@@ -19,16 +19,23 @@ def _pad_to_groups(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _scale_of(amax: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """``amax / 448`` (amax clamped at 1e-4), or with ``pow2`` the smallest power of two >= it,
+    found exactly from the mantissa (``exp2(ceil(log2(s)))`` can round a scale just above a power
+    of two down to it)."""
     scale = amax.clamp_min(AMAX_FLOOR) / torch.full_like(amax, E4M3_MAX)
-    return torch.exp2(torch.ceil(torch.log2(scale))) if pow2 else scale
+    if not pow2:
+        return scale
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).int())
 
 
 def quantize_activations(x: torch.Tensor, pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
-    g = _pad_to_groups(x.float(), 1).view(m, -1, GROUP)  # [M, K/128, 128]
-    scale = _scale_of(g.abs().amax(-1), pow2_scales)  # [M, K/128]
+    groups = -(-k // GROUP)
+    g = _pad_to_groups(x.float(), 1).view(m, groups, GROUP)
+    scale = _scale_of(g.abs().amax(-1), pow2_scales)  # [M, groups]
     q = (g / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q.view(m, -1)[:, :k].contiguous(), scale
+    return q.view(m, groups * GROUP)[:, :k].contiguous(), scale
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,114 @@
+"""Launch shapes of the Triton FP8 GEMM: the candidates per (M, N, K) and the one the heuristic picks.
+
+No timing happens at run time: the choice is a pure function of the shape and the SM count,
+cached per (M rounded up to a power of two, N, K, SMs), so a CUDA-graph capture or the first
+call of a shape never waits on an autotuner. ``benchmarks/bench_gemm.py --sweep`` times every
+candidate of :func:`candidates` on a GPU; its winners are what the rules below encode.
+
+Regimes:
+- decode (M <= 64): weight-bandwidth bound. Swap AB (64 weight rows on the MMA's M side, the
+  tokens padded to 16..64 on its N side) and split K until there are ~4 programs per SM, so
+  every SM streams weights.
+- middle (64 < M < 1024): 64 x 128 tiles, K split while the tiles do not fill the GPU.
+- large (M >= 1024): 128 x 128 x 128 tiles, 8 warps, grouped tile order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+GROUP = 128  # K per step: one activation/weight scale group
+DECODE_MAX_M = 64
+LARGE_MIN_M = 1024
+PROGRAMS_PER_SM = 4  # small-M launches aim for this many programs per SM
+MIN_GROUPS_PER_SPLIT = 4  # a split of K walks at least this many 128-wide groups
+MAX_SPLIT_K = 32
+DEFAULT_SMS = 132  # H100/H200 SXM; used off a GPU (interpreter, compile test)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch shape. ``block_m`` x ``block_n`` output tile (tokens x weight rows, whatever
+    ``swap_ab`` puts on the dot's M side), ``split_k`` programs over K per tile."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 1
+    swap_ab: bool = False
+    defer: bool = False  # scale each group's product while the next group's dot runs
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __str__(self) -> str:
+        flags = (" swap" if self.swap_ab else "") + (" defer" if self.defer else "")
+        return (f"{self.block_m}x{self.block_n}{flags} split={self.split_k} "
+                f"w={self.num_warps} st={self.num_stages} g={self.group_m}")
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def token_block(m: int) -> int:
+    """The smallest dot width (>= 16, a power of two) that holds M tokens."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def split_for(tiles: int, k: int, sms: int) -> int:
+    """How many programs to split K over so ``tiles`` output tiles make ~PROGRAMS_PER_SM per SM,
+    each split keeping at least MIN_GROUPS_PER_SPLIT groups."""
+    groups = triton.cdiv(k, GROUP)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, tiles)
+    return max(1, min(wanted, groups // MIN_GROUPS_PER_SPLIT, MAX_SPLIT_K))
+
+
+def candidates(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> list[GemmConfig]:
+    """The launch shapes worth timing for this problem; the heuristic's choice comes first."""
+    best = choose(m, n, k, sms)
+    out = [best]
+    if m <= DECODE_MAX_M:
+        bm = token_block(m)
+        for bn in (32, 64, 128):
+            tiles = triton.cdiv(n, bn)
+            base = split_for(tiles, k, sms)
+            for split in sorted({1, max(1, base // 2), base, base * 2}):
+                for stages in (3, 4, 6):
+                    out.append(GemmConfig(bm, bn, split, swap_ab=True, num_warps=4, num_stages=stages))
+        for split in (1, split_for(triton.cdiv(n, 128), k, sms)):  # tokens on the dot's M side
+            out.append(GemmConfig(bm, 128, split, num_warps=4, num_stages=4))
+    else:
+        shapes = [(64, 128, 4, 4), (64, 128, 4, 5), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3),
+                  (128, 64, 4, 4), (128, 256, 8, 3)]
+        for bm, bn, warps, stages in shapes:
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            for split in sorted({1, split_for(tiles, k, sms)}):
+                out.append(GemmConfig(bm, bn, split, num_warps=warps, num_stages=stages))
+    return list(dict.fromkeys(out))  # drop repeats, keep order
+
+
+@functools.lru_cache(maxsize=4096)
+def choose(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
+    """The heuristic's launch shape for [m, k] x [n, k]^T."""
+    if m <= DECODE_MAX_M:
+        bn = 64
+        return GemmConfig(token_block(m), bn, split_for(triton.cdiv(n, bn), k, sms), swap_ab=True,
+                          num_warps=4, num_stages=4)
+    if m < LARGE_MIN_M:
+        bm, bn, warps, stages = 64, 128, 4, 4
+    else:
+        bm, bn, warps, stages = 128, 128, 8, 4
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = split_for(tiles, k, sms) if tiles < sms else 1
+    return GemmConfig(bm, bn, split, num_warps=warps, num_stages=stages)
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """:func:`choose` for this device, cached per M rounded up to a power of two."""
+    return choose(triton.next_power_of_2(m), n, k, num_sms(device))
