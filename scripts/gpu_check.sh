@@ -9,7 +9,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 status=0
 python3 -m pytest -q -m gpu -rfE tests "${@}" 2>&1 | tee "$out/gpu-tests.log" || status=1
-for bench in benchmarks/bench_kernels.py benchmarks/bench_train_step.py; do
+for bench in benchmarks/bench_kernels.py benchmarks/bench_gemm.py benchmarks/bench_train_step.py; do
   python3 "$bench" --output "$out/BENCHMARKS-gpu.md" 2>&1 | tee -a "$out/bench.log" || status=1
 done
 exit $status

@@ -6,6 +6,9 @@ called on CPU tensors at the shapes the GPU serves, with ``JITFunction.run`` rec
 instead of running it; every distinct (kernel, signature, constexprs, launch options) is then
 compiled through Triton's whole pipeline to a cubin for ``GPUTarget("cuda", 90, 32)``. That needs
 the ptxas shipped with triton, but no driver. Nothing is executed, so outputs are not checked.
+``compile_all(..., specialize=True)`` compiles with the argument specialization a GPU launch
+would use (16-divisible ints and pointers, ints equal to 1 as constants), which turns on the
+software pipelining of loads, and checks the kernel fits Hopper's shared memory.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -24,6 +28,7 @@ from flashdsa.testing import random_mla_cache, random_sparse_inputs  # noqa: E40
 ARG_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
              torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on SM90
 
 
 def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -45,28 +50,54 @@ def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     return signature, constexprs
 
 
+def _specialized(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """Signature, constexprs and divisibility attributes as a GPU launch of these values gets them."""
+    bound = dict(zip(fn.arg_names, args)) | kwargs
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = bound.get(param.name, param.default)
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = spec
+        elif spec == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
 @pytest.fixture
 def launches(monkeypatch) -> dict:
-    """Launches recorded (not run) while the test body calls Triton backends; keyed to dedupe."""
+    """Launches recorded (not run) while the test body calls Triton backends; keyed to dedupe.
+    Each holds the plain signature and the GPU launch's specialization (see :func:`compile_all`)."""
     recorded = {}
 
     def record(fn, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
         signature, constexprs = _signature(fn, args, kwargs)
         key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())), repr(options))
-        recorded.setdefault(key, (fn, signature, constexprs, options))
+        recorded.setdefault(key, (fn, signature, constexprs, options, _specialized(fn, args, kwargs)))
 
     monkeypatch.setattr(JITFunction, "run", record)
     return recorded
 
 
-def compile_all(launches: dict) -> list[str]:
-    """Compile every recorded launch to a cubin; return the kernel names compiled."""
+def compile_all(launches: dict, specialize: bool = False) -> list[str]:
+    """Compile every recorded launch to a cubin; return the kernel names compiled. With
+    ``specialize``, compile as the GPU would specialize the launch and check shared memory."""
     assert launches, "no Triton launch was recorded"
-    for fn, signature, constexprs, options in launches.values():
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
-                                options=options)
+    for fn, signature, constexprs, options, specialized in launches.values():
+        attrs = {}
+        if specialize:
+            signature, constexprs, attrs = specialized
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=HOPPER, options=options)
         assert kernel.asm.get("cubin"), f"{fn.__name__} {constexprs}: no cubin"
+        if specialize:
+            smem = kernel.metadata.shared
+            assert smem <= HOPPER_SMEM, f"{fn.__name__} {constexprs} {options}: {smem} B of shared memory"
     return sorted({fn.__name__ for fn, *_ in launches.values()})
 
 
@@ -133,3 +164,21 @@ def test_moe_kernels_compile_for_hopper(launches):
     many = torch.randint(0, 256, (4096, top_k), dtype=torch.int32)
     align.align_tokens(many, 256, 64, 4096)  # several chunks: the count launch too
     assert compile_all(launches) == ["_combine_kernel", "_count_kernel", "_grouped_gemm_kernel", "_place_kernel"]
+
+
+def test_gemm_kernels_compile_for_hopper(launches):
+    """The quantizer, and the GEMM at the heuristic's choice per regime (decode with split-K,
+    middle, prefill; K a multiple of 128 or not) plus the deferred-scaling variant."""
+    from flashdsa.runtime.gemm.triton import configs, gemm, quantize
+
+    for pow2 in (False, True):
+        quantize.quantize_activations(torch.randn(3, 300).bfloat16(), pow2)
+    w_fp8, w_scale = torch.zeros(1536, 7168, dtype=torch.float8_e4m3fn), torch.ones(12, 56)
+    for m in (1, 32, 256, 4096):
+        x_fp8, x_scale = torch.zeros(m, 7168, dtype=torch.float8_e4m3fn), torch.ones(m, 56)
+        gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16)
+    gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16,
+                  config=configs.GemmConfig(128, 128, defer=True, num_warps=8, num_stages=3))
+    x_fp8, w_fp8, x_scale = x_fp8[:, :7000].contiguous(), w_fp8[:, :7000].contiguous(), x_scale[:, :55].contiguous()
+    gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale[:, :55].contiguous(), torch.bfloat16)
+    assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]

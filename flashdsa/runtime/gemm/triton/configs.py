@@ -83,13 +83,14 @@ def candidates(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> list[GemmConfi
                     out.append(GemmConfig(bm, bn, split, swap_ab=True, num_warps=4, num_stages=stages))
         for split in (1, split_for(triton.cdiv(n, 128), k, sms)):  # tokens on the dot's M side
             out.append(GemmConfig(bm, 128, split, num_warps=4, num_stages=4))
-    else:
-        shapes = [(64, 128, 4, 4), (64, 128, 4, 5), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3),
-                  (128, 64, 4, 4), (128, 256, 8, 3)]
-        for bm, bn, warps, stages in shapes:
+    else:  # (block_m, block_n, warps, stages, defer); 128 x 256 tiles spill (255 registers + stack)
+        shapes = [(64, 128, 4, 4, False), (64, 128, 4, 5, False), (64, 128, 4, 4, True), (128, 64, 4, 4, False),
+                  (128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 128, 8, 3, True), (128, 128, 8, 4, True),
+                  (64, 256, 8, 3, False)]
+        for bm, bn, warps, stages, defer in shapes:
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             for split in sorted({1, split_for(tiles, k, sms)}):
-                out.append(GemmConfig(bm, bn, split, num_warps=warps, num_stages=stages))
+                out.append(GemmConfig(bm, bn, split, defer=defer, num_warps=warps, num_stages=stages))
     return list(dict.fromkeys(out))  # drop repeats, keep order
 
 

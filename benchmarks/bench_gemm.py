@@ -1,0 +1,193 @@
+"""FP8 block-scaled GEMM (Triton) at DeepSeek-V3.2's linear shapes against cuBLAS FP8 and the copy bandwidth.
+
+For each (N, K) of V3.2's FP8 linear layers and M in {1, 2, 4, 8, 32, 128, 4096, 16384}: our time,
+TFLOPS and GB/s (weights + activations + scales read, output written); torch._scaled_mm with one
+scale per tensor on the same e4m3 operands (cuBLAS, the anchor for M >= 128) and, where torch and
+cuBLAS accept it on this GPU, with DeepSeek's blockwise scales (1x128 activations, 128x128 weights);
+the copy bandwidth measured in the same run (the anchor for M <= 64). Targets: >= 80% of copy
+bandwidth for M <= 64, >= 90% of the per-tensor cuBLAS rate for M >= 128 (issue 10 sets it for
+M >= 2048; M = 128 is shown against the same anchor). Inputs are random, rotated through sets that
+together exceed the L2 several times.
+
+``--sweep`` times every candidate launch shape of the heuristic (``configs.candidates``) per
+shape and prints, per shape, the heuristic's choice against the fastest; ``--sweep-json`` saves
+every timing, so one GPU run is enough to fix the heuristic.
+
+    python3 benchmarks/bench_gemm.py [--sweep] [--sweep-json gemm_sweep.json] [--shapes q_a,o_proj]
+        [--m 1,4096] [--output BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from benchmarks.bench_decode_indexer import copy_bandwidth, fp8_bytes
+from benchmarks.common import L2_BYTES, Row, median_ms, output_parser, report
+from flashdsa.runtime.gemm import quantize_activations
+from flashdsa.runtime.gemm.triton import configs, gemm
+
+SHAPES = {  # name: (N, K)
+    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
+    "o_proj": (7168, 16384), "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432),
+    "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048), "wq_b": (8192, 1536), "wk": (128, 7168),
+}
+MS = (1, 2, 4, 8, 32, 128, 4096, 16384)
+COPY_SHARE, CUBLAS_SHARE = 0.8, 0.9
+MAX_SETS, MAX_SET_BYTES = 256, 2 << 30
+
+log = logging.getLogger("bench_gemm")
+
+
+def groups(n: int) -> int:
+    return -(-n // configs.GROUP)
+
+
+def make_sets(m: int, n: int, k: int, device) -> list[tuple[torch.Tensor, ...]]:
+    """(x_fp8, x_scale, w_fp8, w_scale) sets, enough that the weights together exceed the L2
+    three times (a decode step reads each layer's weights from memory, never from L2)."""
+    per_set = n * k + m * k
+    count = max(2, min(MAX_SETS, -(-3 * L2_BYTES // per_set), max(1, MAX_SET_BYTES // per_set)))
+    sets = []
+    for _ in range(count):
+        x = fp8_bytes((m, k), device).view(torch.float8_e4m3fn)
+        w = fp8_bytes((n, k), device).view(torch.float8_e4m3fn)
+        x_scale = torch.exp2(torch.randint(-8, 0, (m, groups(k)), device=device).float())
+        w_scale = torch.rand(groups(n), groups(k), device=device) * 1e-2 + 1e-3
+        sets.append((x, x_scale, w, w_scale))
+    return sets
+
+
+def bytes_moved(m: int, n: int, k: int) -> int:
+    return n * k + m * k + 4 * (m + groups(n)) * groups(k) + 2 * m * n
+
+
+def time_calls(sets, call: Callable, iters: int) -> float:
+    return median_ms([lambda s=s: call(*s) for s in sets], iters=iters)
+
+
+def per_tensor_scaled_mm(x, x_scale, w, w_scale):
+    one = torch.ones((), device=x.device)
+    return torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def blockwise_scaled_mm(x, x_scale, w, w_scale):
+    """cuBLAS's DeepSeek recipe (torch >= 2.9, CUDA >= 12.9, SM90): x_scale [M, K/128] outer-dim
+    major; w_scale padded to a multiple of 4 groups along K and given as [K/128, N/128]."""
+    kb = x_scale.shape[1]
+    w_scale = F.pad(w_scale, (0, -kb % 4)).t()
+    return torch._scaled_mm(x, w.t(), scale_a=x_scale.t().contiguous().t(), scale_b=w_scale,
+                            out_dtype=torch.bfloat16)
+
+
+def anchor_ms(name: str, fn: Callable, sets, ours: torch.Tensor, iters: int) -> tuple[Optional[float], str]:
+    """Time a torch._scaled_mm variant; None and the reason when torch or cuBLAS refuse the shape.
+    The blockwise variant computes our function, so its output is compared with ours."""
+    try:
+        out = fn(*sets[0])
+        note = ""
+        if name == "blockwise":
+            cos = F.cosine_similarity(out.float().flatten(), ours.float().flatten(), dim=0).item()
+            note = f"cos {cos:.5f} vs ours"
+        return time_calls(sets, fn, iters), note
+    except (RuntimeError, ValueError, TypeError) as e:
+        return None, str(e).strip().splitlines()[0][:90]
+
+
+def bench_shape(name: str, m: int, n: int, k: int, device, copy_gbs: float, iters: int) -> Row:
+    """Our heuristic's launch against the anchors: GB/s vs copy for M <= 64, else TFLOPS vs cuBLAS."""
+    sets = make_sets(m, n, k, device)
+    ours_ms = time_calls(sets, lambda *s: gemm.fp8_gemm(*s, torch.bfloat16), iters)
+    ours = gemm.fp8_gemm(*sets[0], torch.bfloat16)
+    flops, moved = 2 * m * n * k, bytes_moved(m, n, k)
+    tensor_ms, tensor_note = anchor_ms("per-tensor", per_tensor_scaled_mm, sets, ours, iters)
+    block_ms, block_note = anchor_ms("blockwise", blockwise_scaled_mm, sets, ours, iters)
+
+    def tflops(ms: Optional[float]) -> float:
+        return flops / ms / 1e9 if ms else float("nan")
+
+    def anchor(ms: Optional[float], why: str) -> str:
+        return f"{tflops(ms):.0f} TFLOPS" + (f" ({why})" if why else "") if ms else f"n/a ({why})"
+
+    note = (f"{tflops(ours_ms):.0f} TFLOPS, {moved / ours_ms / 1e6:.0f} GB/s; cuBLAS per-tensor "
+            f"{anchor(tensor_ms, tensor_note)}; cuBLAS blockwise {anchor(block_ms, block_note)}; "
+            f"{configs.choose_config(m, n, k, device)}")
+    shape = f"{name} N={n} K={k} M={m}"
+    if m <= configs.DECODE_MAX_M:
+        return Row("fp8_gemm triton", shape, ours_ms, moved / ours_ms / 1e6, "GB/s", COPY_SHARE * copy_gbs, note)
+    return Row("fp8_gemm triton", shape, ours_ms, tflops(ours_ms), "TFLOPS", CUBLAS_SHARE * tflops(tensor_ms), note)
+
+
+def bench_quantizer(device, copy_gbs: float, k: int = 7168) -> list[Row]:
+    rows = []
+    for m in (1, 128, 16384):
+        xs = [torch.randn(m, k, device=device, dtype=torch.bfloat16) for _ in range(4)]
+        ms = median_ms([lambda x=x: quantize_activations(x, pow2_scales=True, backend="triton") for x in xs])
+        moved = 3 * m * k + 4 * m * groups(k)
+        rows.append(Row("quantize_activations triton", f"M={m} K={k} bf16", ms, moved / ms / 1e6, "GB/s",
+                        COPY_SHARE * copy_gbs, "no target; launch-bound at small M"))
+    return rows
+
+
+def sweep_shape(name: str, m: int, n: int, k: int, device, iters: int) -> tuple[Row, dict]:
+    """Time every candidate config. Returns a row (kernel: the fastest config; rate: the
+    heuristic's ms; target: the fastest ms; ratio: heuristic / fastest) and all timings."""
+    sets = make_sets(m, n, k, device)
+    timings = {}
+    for config in configs.candidates(m, n, k, configs.num_sms(device)):
+        try:
+            timings[str(config)] = time_calls(sets, lambda *s: gemm.fp8_gemm(*s, torch.bfloat16, config=config), iters)
+        except Exception as e:  # e.g. out of shared memory: report and go on
+            log.warning("%s M=%d %s failed: %s", name, m, config, str(e).splitlines()[0][:160])
+    chosen = str(configs.choose_config(m, n, k, device))
+    best = min(timings, key=timings.get)
+    row = Row(best, f"{name} N={n} K={k} M={m}", timings[best], timings.get(chosen, float("nan")), "ms",
+              timings[best], f"heuristic: {chosen}")
+    return row, {"shape": name, "m": m, "n": n, "k": k, "heuristic": chosen, "best": best, "ms": timings}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = output_parser(__doc__)
+    parser.add_argument("--sweep", action="store_true", help="time every candidate config per shape")
+    parser.add_argument("--sweep-json", help="save the sweep's timings to this JSON file")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    parser.add_argument("--m", default=",".join(map(str, MS)), help="comma-separated M values")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    device = torch.device("cuda")
+    names, ms = args.shapes.split(","), [int(m) for m in args.m.split(",")]
+    copy_gbs = copy_bandwidth(device)
+    rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
+    sweep_rows, sweeps = [], []
+    for name in tqdm(names, desc="shapes"):
+        n, k = SHAPES[name]
+        for m in ms:
+            try:
+                rows.append(bench_shape(name, m, n, k, device, copy_gbs, args.iters))
+                print(rows[-1])
+                if args.sweep:
+                    row, timings = sweep_shape(name, m, n, k, device, args.iters)
+                    sweep_rows.append(row)
+                    sweeps.append(timings)
+                    print(row)
+            except Exception as e:  # one failing shape must not hide the other figures
+                log.exception("%s M=%d failed: %s", name, m, e)
+            torch.cuda.empty_cache()
+    rows += bench_quantizer(device, copy_gbs)
+    report("FP8 block-scaled GEMM (Triton) at DeepSeek-V3.2 shapes", rows, args.output)
+    if sweep_rows:
+        report("FP8 GEMM sweep: fastest candidate (kernel) vs the heuristic's choice (rate, ms); "
+               "ratio = heuristic / fastest", sweep_rows, args.output)
+    if args.sweep_json:
+        with open(args.sweep_json, "w") as f:
+            json.dump(sweeps, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
