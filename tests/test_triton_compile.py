@@ -168,7 +168,8 @@ def test_moe_kernels_compile_for_hopper(launches):
 
 def test_gemm_kernels_compile_for_hopper(launches):
     """The quantizer, and the GEMM at the heuristic's choice per regime (decode with split-K,
-    middle, prefill; K a multiple of 128 or not) plus the deferred-scaling variant."""
+    middle and prefill with TMA loads; K a multiple of 128 or not) plus the deferred-scaling and
+    the decode TMA variants."""
     from flashdsa.runtime.gemm.triton import configs, gemm, quantize
 
     for pow2 in (False, True):
@@ -177,8 +178,9 @@ def test_gemm_kernels_compile_for_hopper(launches):
     for m in (1, 32, 256, 4096):
         x_fp8, x_scale = torch.zeros(m, 7168, dtype=torch.float8_e4m3fn), torch.ones(m, 56)
         gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16)
-    gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16,
-                  config=configs.GemmConfig(128, 128, defer=True, num_warps=8, num_stages=3))
+    for config in (configs.GemmConfig(128, 128, defer=True, num_warps=8, num_stages=3),
+                   configs.GemmConfig(16, 64, 4, swap_ab=True, tma=True, num_stages=6)):
+        gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16, config=config)
     x_fp8, w_fp8, x_scale = x_fp8[:, :7000].contiguous(), w_fp8[:, :7000].contiguous(), x_scale[:, :55].contiguous()
     gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale[:, :55].contiguous(), torch.bfloat16)
     assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]

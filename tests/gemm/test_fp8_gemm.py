@@ -265,9 +265,10 @@ def test_heuristic_choice_is_cached_per_power_of_two_m():
 
 # ---------------------------------------------------------------- Triton vs reference
 
-SMALL_CONFIGS = [  # every kernel variant: swap / not, defer, split, one weight scale per tile or a vector
-    GemmConfig(16, 64, 3, swap_ab=True), GemmConfig(16, 32, 2, swap_ab=True, defer=True),
-    GemmConfig(32, 128, 1), GemmConfig(16, 256, 1, defer=True), GemmConfig(64, 64, 2, group_m=2),
+SMALL_CONFIGS = [  # every kernel variant: swap / not, defer, split, TMA (K % 16 == 0) or pointer loads,
+    # one weight scale per tile or a vector of them
+    GemmConfig(16, 64, 3, swap_ab=True), GemmConfig(16, 32, 2, swap_ab=True, defer=True, tma=True),
+    GemmConfig(32, 128, 1), GemmConfig(16, 256, 1, defer=True), GemmConfig(64, 64, 2, group_m=2, tma=True),
 ]
 
 

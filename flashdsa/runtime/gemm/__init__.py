@@ -22,10 +22,11 @@ import torch
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.checks import check, check_tensor
 from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import reference
+from flashdsa.runtime.gemm.reference import GROUP
 
 __all__ = ["GROUP", "quantize_activations", "quantize_weight", "fp8_gemm", "fp8_linear"]
 
-GROUP = 128  # channels per activation scale; rows and columns per weight-scale block
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 FP8_CAPABILITY = (8, 9)  # e4m3 tensor-core dots: Ada and Hopper onwards
@@ -68,9 +69,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``w: [N, K]`` float to e4m3 with one ``amax / 448`` scale per 128x128 block, the
     official checkpoints' format: returns ``(w_fp8: [N, K], w_scale: [ceil(N/128), ceil(K/128)] fp32)``."""
     check_tensor("w", w, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [N, K]")
-    from flashdsa.runtime.gemm.reference import quantize_weight as impl
-
-    return impl(w)
+    return reference.quantize_weight(w)
 
 
 def _check_gemm(x_fp8, x_scale, w_fp8, w_scale) -> None:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flashdsa.runtime.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
 
-GROUP = 128
+GROUP = 128  # channels per activation scale; rows and columns per weight-scale block
 
 
 def _pad_to_groups(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ Regimes:
   every SM streams weights.
 - middle (64 < M < 1024): 64 x 128 tiles, K split while the tiles do not fill the GPU.
 - large (M >= 1024): 128 x 128 x 128 tiles, 8 warps, grouped tile order.
+Both use TMA loads where K allows (a multiple of 16); decode uses plain pipelined loads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-GROUP = 128  # K per step: one activation/weight scale group
+from flashdsa.runtime.gemm.reference import GROUP  # K per step: one activation/weight scale group
+
 DECODE_MAX_M = 64
 LARGE_MIN_M = 1024
 PROGRAMS_PER_SM = 4  # small-M launches aim for this many programs per SM
@@ -40,12 +42,13 @@ class GemmConfig:
     split_k: int = 1
     swap_ab: bool = False
     defer: bool = False  # scale each group's product while the next group's dot runs
+    tma: bool = False  # load the tiles with TMA descriptors (where K % 16 == 0)
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
 
     def __str__(self) -> str:
-        flags = (" swap" if self.swap_ab else "") + (" defer" if self.defer else "")
+        flags = (" swap" if self.swap_ab else "") + (" defer" if self.defer else "") + (" tma" if self.tma else "")
         return (f"{self.block_m}x{self.block_n}{flags} split={self.split_k} "
                 f"w={self.num_warps} st={self.num_stages} g={self.group_m}")
 
@@ -71,26 +74,27 @@ def split_for(tiles: int, k: int, sms: int) -> int:
 
 def candidates(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> list[GemmConfig]:
     """The launch shapes worth timing for this problem; the heuristic's choice comes first."""
-    best = choose(m, n, k, sms)
-    out = [best]
+    out = [choose(m, n, k, sms)]
     if m <= DECODE_MAX_M:
         bm = token_block(m)
-        for bn in (32, 64, 128):
-            tiles = triton.cdiv(n, bn)
-            base = split_for(tiles, k, sms)
-            for split in sorted({1, max(1, base // 2), base, base * 2}):
-                for stages in (3, 4, 6):
-                    out.append(GemmConfig(bm, bn, split, swap_ab=True, num_warps=4, num_stages=stages))
+        for bn, stages_list, tma in [(32, (3, 4, 6), False), (64, (3, 4, 6), False), (128, (3, 4, 6), False),
+                                     (64, (4, 6), True), (128, (4, 6), True)]:
+            base = split_for(triton.cdiv(n, bn), k, sms)
+            for split in sorted({1, max(1, base // 2), base, base * 2} - ({1} if tma else set())):
+                for stages in stages_list:
+                    out.append(GemmConfig(bm, bn, split, swap_ab=True, tma=tma, num_warps=4, num_stages=stages))
         for split in (1, split_for(triton.cdiv(n, 128), k, sms)):  # tokens on the dot's M side
             out.append(GemmConfig(bm, 128, split, num_warps=4, num_stages=4))
-    else:  # (block_m, block_n, warps, stages, defer); 128 x 256 tiles spill (255 registers + stack)
-        shapes = [(64, 128, 4, 4, False), (64, 128, 4, 5, False), (64, 128, 4, 4, True), (128, 64, 4, 4, False),
-                  (128, 128, 8, 3, False), (128, 128, 8, 4, False), (128, 128, 8, 3, True), (128, 128, 8, 4, True),
-                  (64, 256, 8, 3, False)]
-        for bm, bn, warps, stages, defer in shapes:
+    else:  # (block_m, block_n, warps, stages, defer, tma); 128 x 256 tiles spill (255 registers + stack)
+        shapes = [(64, 128, 4, 4, False, False), (64, 128, 4, 5, False, False), (64, 128, 4, 4, True, False),
+                  (128, 64, 4, 4, False, False), (128, 128, 8, 3, False, False), (128, 128, 8, 4, False, False),
+                  (128, 128, 8, 4, True, False), (64, 256, 8, 3, False, False),
+                  (64, 128, 4, 4, False, True), (64, 128, 4, 5, False, True), (128, 128, 8, 3, False, True),
+                  (128, 128, 8, 4, False, True), (128, 128, 8, 4, True, True), (64, 256, 8, 3, False, True)]
+        for bm, bn, warps, stages, defer, tma in shapes:
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             for split in sorted({1, split_for(tiles, k, sms)}):
-                out.append(GemmConfig(bm, bn, split, defer=defer, num_warps=warps, num_stages=stages))
+                out.append(GemmConfig(bm, bn, split, defer=defer, tma=tma, num_warps=warps, num_stages=stages))
     return list(dict.fromkeys(out))  # drop repeats, keep order
 
 
@@ -107,7 +111,7 @@ def choose(m: int, n: int, k: int, sms: int = DEFAULT_SMS) -> GemmConfig:
         bm, bn, warps, stages = 128, 128, 8, 4
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = split_for(tiles, k, sms) if tiles < sms else 1
-    return GemmConfig(bm, bn, split, num_warps=warps, num_stages=stages)
+    return GemmConfig(bm, bn, split, tma=True, num_warps=warps, num_stages=stages)
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:

@@ -20,8 +20,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashdsa.runtime.gemm.triton.configs import GROUP, GemmConfig, choose_config
+from flashdsa.runtime.gemm.reference import GROUP
+from flashdsa.runtime.gemm.triton.configs import GemmConfig, choose_config
 
 
 @triton.jit
@@ -38,15 +40,21 @@ def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _load_group(x_ptrs, w_ptrs, xs_ptrs, ws_ptrs, kb, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Group kb: the x and w tiles at the pointers (zeros past K), x_scale[m, kb], w_scale[., kb]."""
-    if EVEN_K:
-        x = tl.load(x_ptrs)
-        w = tl.load(w_ptrs)
-    else:  # the pointers sit at group kb
+def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, n0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                USE_TMA: tl.constexpr):
+    """Group kb: the x and w tiles (zeros past K), x_scale[m, kb] and w_scale[., kb]. The tiles
+    come through TMA descriptors (boxes at rows m0 / n0; the copy engine fills zeros past the
+    tensor) or from pointer tiles at group 0."""
+    if USE_TMA:
+        x = x_src.load([m0, kb * BLOCK_K])
+        w = w_src.load([n0, kb * BLOCK_K])
+    elif EVEN_K:
+        x = tl.load(x_src + kb * BLOCK_K)
+        w = tl.load(w_src + kb * BLOCK_K)
+    else:
         in_k = tl.arange(0, BLOCK_K)[None, :] < K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=in_k, other=0.0)
-        w = tl.load(w_ptrs, mask=in_k, other=0.0)
+        x = tl.load(x_src + kb * BLOCK_K, mask=in_k, other=0.0)
+        w = tl.load(w_src + kb * BLOCK_K, mask=in_k, other=0.0)
     return x, w, tl.load(xs_ptrs + kb), tl.load(ws_ptrs + kb)
 
 
@@ -79,11 +87,12 @@ def _add_scaled(acc, product, xs, ws, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_split, stride_split,
+def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_split, stride_split,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 SWAP_AB: tl.constexpr, DEFER: tl.constexpr, EVEN_K: tl.constexpr):
+                 SWAP_AB: tl.constexpr, DEFER: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
     """x: [M, K] e4m3, xs: [M, num_kb] fp32, w: [N, K] e4m3, ws: [ceil(N/128), num_kb] fp32 ->
     out (+ split * stride_split): [M, N], the sum over groups [split * kb_per_split, ...).
+    x_src / w_src: pointers, or with USE_TMA descriptors of x and w with [BLOCK_M / BLOCK_N, 128] boxes.
     DEFER adds each group's scaled product one step late, while the next group's dot runs."""
     pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
@@ -92,10 +101,12 @@ def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_
     # 64-bit offsets only for the tile's origin; within a tile 32 bits hold them (fewer registers).
     rm = tl.minimum(tl.arange(0, BLOCK_M), M - 1 - m0)
     rn = tl.minimum(tl.arange(0, BLOCK_N), N - 1 - n0)
-    kb_start = tl.program_id(1) * kb_per_split
-    offs_k = kb_start * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + m0.to(tl.int64) * K + rm[:, None] * K + offs_k[None, :]
-    w_ptrs = w_ptr + n0.to(tl.int64) * K + rn[:, None] * K + offs_k[None, :]
+    if USE_TMA:
+        x_tile, w_tile = x_src, w_src
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_tile = x_src + m0.to(tl.int64) * K + rm[:, None] * K + offs_k[None, :]
+        w_tile = w_src + n0.to(tl.int64) * K + rn[:, None] * K + offs_k[None, :]
     xs_ptrs = xs_ptr + (m0 + rm) * num_kb
     if BLOCK_N <= BLOCK_K:  # the tile lies in one 128-row weight block: one scale per group
         ws_ptrs = ws_ptr + (n0 // BLOCK_K) * num_kb + tl.arange(0, 1)
@@ -107,10 +118,9 @@ def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if DEFER:
         last, last_xs, last_ws = acc, tl.zeros(xs_ptrs.shape, tl.float32), tl.zeros(ws_ptrs.shape, tl.float32)
+    kb_start = tl.program_id(1) * kb_per_split
     for kb in range(kb_start, tl.minimum(kb_start + kb_per_split, num_kb)):
-        x, w, xs, ws = _load_group(x_ptrs, w_ptrs, xs_ptrs, ws_ptrs, kb, K, BLOCK_K, EVEN_K)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        x, w, xs, ws = _load_group(x_tile, w_tile, xs_ptrs, ws_ptrs, kb, m0, n0, K, BLOCK_K, EVEN_K, USE_TMA)
         product = _dot(x, w, SWAP_AB)
         if DEFER:
             acc = _add_scaled(acc, last, last_xs, last_ws, SWAP_AB)
@@ -148,6 +158,11 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
 SUM_BLOCK = 1024
 
 
+def _tma_ready(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides (K a multiple of 16 e4m3 values)."""
+    return x_fp8.shape[1] % 16 == 0 and x_fp8.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0
+
+
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, config: Optional[GemmConfig] = None) -> torch.Tensor:
     """x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32, w_fp8: [N, K] e4m3, w_scale:
@@ -165,11 +180,14 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_
     kb_per_split = triton.cdiv(num_kb, cfg.split_k)
     splits = triton.cdiv(num_kb, kb_per_split)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=out.device)
+    use_tma = cfg.tma and _tma_ready(x_fp8, w_fp8)
+    x_src = TensorDescriptor.from_tensor(x_fp8, [cfg.block_m, GROUP]) if use_tma else x_fp8
+    w_src = TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, GROUP]) if use_tma else w_fp8
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _gemm_kernel[grid](
-        x_fp8, x_scale, w_fp8, w_scale, target, m, n, k, num_kb, kb_per_split, m * n,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab, DEFER=cfg.defer,
-        EVEN_K=k % GROUP == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        x_src, x_scale, w_src, w_scale, target, m, n, k, num_kb, kb_per_split, m * n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+        DEFER=cfg.defer, EVEN_K=k % GROUP == 0, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, splits, BLOCK=SUM_BLOCK,

@@ -14,8 +14,8 @@ import triton.language as tl
 
 from flashdsa.runtime.cache.triton.writes import _pow2_ceil, _to_e4m3_bytes
 from flashdsa.runtime.fp8 import AMAX_FLOOR, E4M3, E4M3_MAX
+from flashdsa.runtime.gemm.reference import GROUP
 
-GROUP = 128
 GROUPS_PER_PROGRAM = 8
 
 
