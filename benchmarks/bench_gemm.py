@@ -32,11 +32,7 @@ from benchmarks.common import L2_BYTES, Row, median_ms, output_parser, report
 from flashdsa.runtime.gemm import quantize_activations
 from flashdsa.runtime.gemm.triton import configs, gemm
 
-SHAPES = {  # name: (N, K)
-    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
-    "o_proj": (7168, 16384), "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432),
-    "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048), "wq_b": (8192, 1536), "wk": (128, 7168),
-}
+SHAPES = configs.V32_LINEAR_SHAPES  # name: (N, K)
 MS = (1, 2, 4, 8, 32, 128, 4096, 16384)
 COPY_SHARE, CUBLAS_SHARE = 0.8, 0.9
 MAX_SETS, MAX_SET_BYTES = 256, 2 << 30

@@ -14,7 +14,7 @@ status=0
 if [[ $part == all || $part == tests ]]; then
   python3 -m pytest -q -m gpu -rfE tests/gemm 2>&1 | tee "$out/gemm-tests.log" || status=1
   if command -v compute-sanitizer >/dev/null; then
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gemm/test_fp8_gemm.py --memcheck \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gemm/test_triton_fp8_gemm.py --memcheck \
       2>&1 | tail -n 20 | tee "$out/gemm-memcheck.log" || status=1
   fi
 fi

@@ -30,6 +30,11 @@ PROGRAMS_PER_SM = 4  # small-M launches aim for this many programs per SM
 MIN_GROUPS_PER_SPLIT = 4  # a split of K walks at least this many 128-wide groups
 MAX_SPLIT_K = 32
 DEFAULT_SMS = 132  # H100/H200 SXM; used off a GPU (interpreter, compile test)
+V32_LINEAR_SHAPES = {  # (N, K) of DeepSeek-V3.2's FP8 linear layers: what the heuristic is tuned on
+    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
+    "o_proj": (7168, 16384), "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432),
+    "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048), "wq_b": (8192, 1536), "wk": (128, 7168),
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class GemmConfig:
 
 
 def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (DEFAULT_SMS off a GPU)."""
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
