@@ -148,12 +148,13 @@ def test_empty_and_zero_depth_products():
 
 
 @pytest.mark.gpu
-def test_fp8_linear_is_sync_free_and_replays_in_a_cuda_graph():
-    """Decode-shaped calls (quantize, split-K GEMM and its sum) never sync with the host and give
-    the same bits when replayed from a CUDA graph."""
-    g = generator(15)
+@pytest.mark.parametrize("m", [4, 128])
+def test_fp8_linear_is_sync_free_and_replays_in_a_cuda_graph(m):
+    """Decode-bucket calls (quantize, then the split-K GEMM and its sum at M = 4, the TMA tiles
+    at M = 128) never sync with the host and give the same bits replayed from a CUDA graph."""
+    g = generator(15, m)
     w_fp8, w_scale = (t.to(cuda) for t in quantize_weight(torch.randn(7168, 2048, generator=g)))
-    x = torch.randn(4, 2048, generator=g).to(cuda, torch.bfloat16)
+    x = torch.randn(m, 2048, generator=g).to(cuda, torch.bfloat16)
     eager = fp8_linear(x, w_fp8, w_scale, pow2_scales=True, backend="triton")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -4,8 +4,10 @@ Each program owns one ``[BLOCK_M, BLOCK_N]`` output tile and one split of K. It 
 of 128 (one scale group): each step is an e4m3 tensor-core dot from a zero accumulator, scaled by
 ``x_scale[m, kb] * w_scale[n // 128, kb]`` and added to an fp32 accumulator. So the tensor core's
 reduced-precision FP8 accumulation on SM90 never spans more than 128 products; the sum across
-groups is plain fp32, as in DeepGEMM. Tiles past M or N read clamped rows (never out of bounds)
-and are not stored; the last group, when K is not a multiple of 128, is masked with zeros.
+groups is plain fp32, as in DeepGEMM. The tiles come from pipelined pointer loads, which clamp
+rows past M or N to the last real row (never out of bounds; those results are not stored) and
+mask a last group narrower than 128 with zeros, or, with ``tma`` (Hopper, K a multiple of 16),
+from TMA descriptors, whose copy engine fills zeros past the tensor.
 
 ``swap_ab`` (decode): the weight tile is the dot's M side and the tokens its N side, so a batch
 of 1..64 tokens pads to 16..64 columns while 64 weight rows fill a warpgroup's MMA. With
@@ -159,7 +161,11 @@ SUM_BLOCK = 1024
 
 
 def _tma_ready(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and row strides (K a multiple of 16 e4m3 values)."""
+    """TMA needs Hopper or later (the interpreter emulates it), 16-byte aligned bases and row
+    strides (K a multiple of 16 e4m3 values)."""
+    device = x_fp8.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return False
     return x_fp8.shape[1] % 16 == 0 and x_fp8.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0
 
 
