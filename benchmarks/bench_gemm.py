@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep-json", help="save the sweep's timings to this JSON file")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
     parser.add_argument("--m", default=",".join(map(str, MS)), help="comma-separated M values")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
+    parser.add_argument("--sweep-iters", type=int, default=10, help="timed calls per swept candidate")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(bench_shape(name, m, n, k, device, copy_gbs, args.iters))
                 print(rows[-1])
                 if args.sweep:
-                    row, timings = sweep_shape(name, m, n, k, device, args.iters)
+                    row, timings = sweep_shape(name, m, n, k, device, args.sweep_iters)
                     sweep_rows.append(row)
                     sweeps.append(timings)
                     print(row)
