@@ -17,6 +17,7 @@ then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-e
 
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,8 @@ from flashdsa.runtime.cache.layout import INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES  
 from flashdsa.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from flashdsa.runtime.sampling_params import SamplingParams  # noqa: E402
 
+log = logging.getLogger("bench_e2e")
+
 DECODE_POINTS = ((1, 4096), (1, 32768), (32, 4096), (128, 2048), (128, 16384))
 PREFILL_LENGTHS = (16384, 65536)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -40,7 +43,7 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device copy, bytes read per second (the figure a decode step's reads are bounded by)."""
+    """Device copy, bytes read and written per second: the memory bandwidth a read-only stream reaches."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -51,7 +54,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
         dst.copy_(src)
     end.record()
     end.synchronize()
-    return nbytes * 10 / (start.elapsed_time(end) / 1e3)
+    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def fp8_gemm_rate(n: int = 8192) -> float:
@@ -102,8 +105,10 @@ def prefill_flops(model, length: int) -> float:
     return 2 * params * length + c.num_hidden_layers * (attention + indexer)
 
 
-def profile_steps(engine: LLMEngine, steps: int = 5) -> tuple[float, float, float]:
-    """(GPU-busy share, launches per step, host syncs per step) over ``steps`` decode steps."""
+def profile_steps(engine: LLMEngine, steps: int = 5, label: str = "") -> tuple[float, float, float]:
+    """(GPU-busy share, launches per step, host syncs per step) over ``steps`` engine steps; logs
+    the kernels by device time, and the host time of the step's phases, under ``label``."""
+    phases = _timed_phases(engine)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -116,7 +121,30 @@ def profile_steps(engine: LLMEngine, steps: int = 5) -> tuple[float, float, floa
     busy = sum(e.device_time for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     launches = sum(e.name in LAUNCH_CALLS for e in events)
     syncs = sum(e.name in SYNC_CALLS for e in events)
+    if label:
+        log.info("%s: %.0f us/step wall; host ms/step by phase %s\n%s", label, wall_us / steps,
+                 {k: round(v * 1e3 / steps, 3) for k, v in phases.items()},
+                 prof.key_averages().table(sort_by="device_time_total", row_limit=25))
     return busy / wall_us, launches / steps, syncs / steps
+
+
+def _timed_phases(engine: LLMEngine) -> dict[str, float]:
+    """Wrap the scheduler and the model runner of ``engine`` so their host time adds up in the
+    returned dict (seconds); the rest of a step is sampling and output processing."""
+    totals = {"schedule": 0.0, "run": 0.0}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return call
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.runner.run = timed("run", engine.runner.run)
+    return totals
 
 
 def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLMEngine:
@@ -125,7 +153,8 @@ def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLME
                                                     max_model_len=max_len, num_blocks=blocks, enforce_eager=eager))
 
 
-def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float) -> list[Row]:
+def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float,
+                 profile: bool = False) -> list[Row]:
     engine = make_engine(model, tokenizer, batch, context + steps + 16, eager)
     gen = torch.Generator().manual_seed(batch * context)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -139,7 +168,7 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    busy, launches, syncs = profile_steps(engine)
+    busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context}" if profile else "")
     ms = statistics.median(times) * 1e3
     bound_ms = step_bytes(model, batch, context) / bandwidth * 1e3
     note = f"{batch * 1e3 / ms:.0f} tok/s; GPU busy {busy:.0%}; {launches:.0f} launches, {syncs:.0f} syncs/step"
@@ -147,12 +176,14 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
                 bound_ms / ms * 100, "% of bound", 60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}")]
 
 
-def prefill_point(model, tokenizer, length: int, rate: float) -> Row:
+def prefill_point(model, tokenizer, length: int, rate: float, profile: bool = False) -> Row:
     engine = make_engine(model, tokenizer, 1, length + 16, eager=True)
     prompt = torch.randint(3, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
     engine.add_request("p", prompt.tolist(), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    if profile:
+        profile_steps(engine, -(-length // engine.config.max_num_batched_tokens), f"prefill {length}")
     while engine.has_unfinished():
         engine.step()
     seconds = time.perf_counter() - t0
@@ -168,7 +199,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="also time each point without CUDA graphs")
     parser.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in DECODE_POINTS))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_LENGTHS)))
+    parser.add_argument("--profile", action="store_true", help="log each point's kernels and host phases")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,10 +215,10 @@ def main() -> None:
     for point in filter(None, args.points.split(",")):
         batch, context = map(int, point.split("x"))
         for eager in (False, True) if args.enforce_eager else (False,):
-            rows += decode_point(model, tokenizer, batch, context, args.steps, eager, bandwidth)
+            rows += decode_point(model, tokenizer, batch, context, args.steps, eager, bandwidth, args.profile)
             print(rows[-1], flush=True)
     for length in filter(None, args.prefill.split(",")):
-        rows.append(prefill_point(model, tokenizer, int(length), rate))
+        rows.append(prefill_point(model, tokenizer, int(length), rate, args.profile))
         print(rows[-1], flush=True)
     resident = nbytes(list(model.parameters()) + list(model.buffers())) / 2**30
     title = (f"End-to-end, V3.2-width random model, {args.layers} layers, FP8 weights ({resident:.1f} GiB resident, "

@@ -98,12 +98,15 @@ def check_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int, al
 
 def assert_moe_close(got: torch.Tensor, ref: torch.Tensor, fp8: bool) -> None:
     """Elementwise within a few bf16 ulps of the output's scale (FP8: a few e4m3 rounding flips of
-    the intermediate allowed), and cosine distance tight; NaN (an unwritten element) never passes."""
+    the intermediate allowed), and cosine distance tight; NaN (an unwritten element) never passes.
+    Both sides round the intermediate and each of the top_k pair outputs to bf16, but from fp32
+    sums taken in another order: each rounding may land one ulp apart, so an output may differ by
+    up to ~top_k ulps of its pairs' magnitude (seen on an H100: 2 ulps at |out| ~ 2)."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, f"{got.dtype} {list(got.shape)} vs {list(ref.shape)}"
     got, ref = got.double().cpu(), ref.double().cpu()
     assert torch.isfinite(got).all(), f"seed {SEED}: {int((~torch.isfinite(got)).sum())} non-finite elements"
     rms = ref.square().mean().sqrt().item() if ref.numel() else 0.0
-    atol, rtol, cos_tol = (2**-5 * rms, 2**-6, 1e-4) if fp8 else (2**-8 * rms, 2**-7, 1e-5)
+    atol, rtol, cos_tol = (2**-5 * rms, 2**-6, 1e-4) if fp8 else (2**-6 * rms, 2**-6, 1e-5)
     err = (got - ref).abs()
     bad = err > atol + rtol * ref.abs()
     assert not bad.any(), (f"seed {SEED}: {int(bad.sum())}/{bad.numel()} elements off, max err {err.max().item():.3g} "
