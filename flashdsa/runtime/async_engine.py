@@ -1,9 +1,11 @@
 """The engine behind an asyncio server: the step loop runs in its own thread.
 
-Requests and aborts reach the loop through a thread-safe command queue; each request's outputs
-come back on its own asyncio.Queue (handed over with call_soon_threadsafe). A caller that stops
-iterating (a client that went away) aborts its request, which frees its blocks. Nothing a
-request does can stop the loop: per-request errors end that request with an error.
+Requests and aborts reach the loop through a thread-safe command queue; outputs come back to
+the event loop (call_soon_threadsafe) on one asyncio.Queue per group of requests (the choices of
+one API call). Admission is synchronous on the event loop, so the cap on sequences in flight is
+exact; a request leaves the count when it finishes, fails or is aborted, whether or not anyone
+reads its outputs. Nothing a request does can stop the loop: failures end that request with an
+error output.
 """
 
 from __future__ import annotations
@@ -12,22 +14,60 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Callable, Optional
+from typing import Callable, Optional
 
-from flashdsa.runtime.engine import LLMEngine, RequestOutput
+from flashdsa.runtime.engine import LLMEngine
 from flashdsa.runtime.sampling_params import SamplingParams
+from flashdsa.runtime.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 
 
-class QueueFull(RuntimeError):
-    """Raised by generate() when max_queued requests are already waiting."""
+class Unavailable(RuntimeError):
+    """The server cannot take the request now (all places taken, or the engine stopped): a 503."""
+
+
+def error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, 0, 0, finish_reason="error", error=message)
+
+
+class RequestGroup:
+    """The outputs of several engine requests (the choices of one API call) as (index, output),
+    in the order they come. close() aborts the requests that have not finished."""
+
+    def __init__(self, llm: "AsyncLLM", request_ids: list[str]) -> None:
+        self.llm = llm
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(request_ids)
+        self.index = {request_id: i for i, request_id in enumerate(request_ids)}
+
+    def __aiter__(self) -> "RequestGroup":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.unfinished and self.queue.empty():
+            raise StopAsyncIteration
+        out: RequestOutput = await self.queue.get()
+        return self.index[out.request_id], out
+
+    def deliver(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        self.queue.put_nowait(out)
+
+    def close(self) -> None:
+        for request_id in list(self.unfinished):
+            self.llm.abort(request_id)
+        self.unfinished.clear()
 
 
 class AsyncLLM:
-    """Wraps an LLMEngine; ``on_step(engine, outputs)`` runs on the engine thread after each step."""
+    """Wraps an LLMEngine; ``on_step(engine, outputs)`` runs on the engine thread after each step.
+
+    At most max_num_seqs + max_queued sequences are in flight; more get Unavailable (503).
+    """
 
     def __init__(
         self,
@@ -41,13 +81,18 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._groups: dict[str, RequestGroup] = {}  # request id -> its group, while unfinished
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread = threading.Thread(target=self._run, name="flashdsa-engine", daemon=True)
 
     @property
     def num_active(self) -> int:
-        return len(self._streams)
+        """Sequences admitted and not finished."""
+        return len(self._groups)
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.config.max_num_seqs + self.max_queued
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -58,57 +103,57 @@ class AsyncLLM:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._deliver([error_output(request_id, "the server is shutting down") for request_id in self._groups])
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, count: int = 1) -> None:
-        """Raise ValueError if the request is invalid here, QueueFull if count more do not fit."""
+        """ValueError if the request is invalid here or could never fit (count sequences). No side effects."""
         self.engine.check_request(prompt_token_ids, params)
-        capacity = self.engine.config.max_num_seqs + self.max_queued
-        if count > capacity:
-            raise ValueError(f"the request asks for {count} sequences (prompts x n); this server takes {capacity}")
-        if self.num_active + count > capacity:
-            raise QueueFull(f"the server is busy: {self.max_queued} requests are already queued")
+        if count > self.capacity:
+            raise ValueError(f"the request asks for {count} sequences (prompts x n); this server takes at most "
+                             f"{self.capacity} (max_num_seqs + max_queued)")
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; ValueError for a bad request. Callers enforce
-        the queue limit with check() first, once for all the requests they are about to add."""
-        self.engine.check_request(prompt_token_ids, params)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._post(("add", request_id, prompt_token_ids, params))
-        finished = False
-        try:
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, Exception):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            del self._streams[request_id]
-            if not finished:
-                self._post(("abort", request_id))
+    def add(self, requests: list[tuple[str, list[int], SamplingParams]]) -> RequestGroup:
+        """Admit requests (id, prompt token ids, params; each passed check()) all together or none:
+        Unavailable if they do not fit in the free places. Call from the event loop."""
+        if not self.is_alive():
+            raise Unavailable("the engine is not running (the server is shutting down or its engine thread died)")
+        free = self.capacity - self.num_active
+        if len(requests) > free:
+            raise Unavailable(
+                f"the server is busy: {self.num_active} of its {self.capacity} sequence places (max_num_seqs "
+                f"{self.engine.config.max_num_seqs} + max_queued {self.max_queued}) are taken and this request "
+                f"needs {len(requests)}; retry later"
+            )
+        ids = [request_id for request_id, _, _ in requests]
+        if len(set(ids)) != len(ids) or any(request_id in self._groups for request_id in ids):
+            raise ValueError("request ids must be unique")
+        group = RequestGroup(self, ids)
+        for request in requests:
+            self._groups[request[0]] = group
+            self._post(("add", *request))
+        return group
+
+    def abort(self, request_id: str) -> None:
+        if self._groups.pop(request_id, None) is not None:
+            self._post(("abort", request_id))
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
-    def _deliver(self, items: list[tuple[str, object]]) -> None:
-        """On the event loop: hand outputs (or errors) to their requests' queues."""
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(item)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: hand outputs to their groups; finished requests leave the count."""
+        for out in outputs:
+            group = self._groups.pop(out.request_id, None) if out.finished else self._groups.get(out.request_id)
+            if group is not None:
+                group.deliver(out)
 
-    def _send(self, items: list[tuple[str, object]]) -> None:
-        if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, items)
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
 
     def _drain_commands(self) -> None:
         failed = []
@@ -124,7 +169,9 @@ class AsyncLLM:
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params)
             except Exception as exc:
-                failed.append((request_id, exc))
+                logger.exception("request %s could not be added", request_id)
+                self.engine.num_failed += 1
+                failed.append(error_output(request_id, str(exc)))
         self._send(failed)
 
     def _run(self) -> None:
@@ -136,13 +183,10 @@ class AsyncLLM:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a scheduler bug: end every request, keep serving
+            except Exception as exc:  # a bug outside any one request: end every request, keep serving
                 logger.exception("engine step failed")
-                outputs = []
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._send([(request_id, RuntimeError(f"engine step failed: {exc}"))])
-            self._send([(out.request_id, out) for out in outputs])
+                outputs = self.engine.fail_all(f"engine step failed: {exc}")
+            self._send(outputs)
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine, outputs)

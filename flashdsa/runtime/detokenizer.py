@@ -19,7 +19,11 @@ class Detokenizer:
     """Turns one request's output tokens into text, one token at a time."""
 
     def __init__(
-        self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False,
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
         skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
@@ -36,10 +40,11 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int, final: bool = False) -> Optional[str]:
+    def add_token(self, token_id: int, final: bool = False, find_stop: bool = True) -> Optional[str]:
         """Append one token; return the stop string it completed, if any (text is then cut).
 
         final: the request ends with this token, so an incomplete character is released as is.
+        find_stop False: stop strings are not looked for in this token's text (before min_tokens).
         """
         self.ids.append(token_id)
         stable = self._decode(self.ids[self.prefix_offset : self.read_offset])
@@ -49,7 +54,7 @@ class Detokenizer:
         old_len = len(self.text)
         self.text += full[len(stable) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._find_stop(old_len)
+        return self._find_stop(old_len) if find_stop else None
 
     def _find_stop(self, old_len: int) -> Optional[str]:
         best: Optional[tuple[int, str]] = None

@@ -2,15 +2,16 @@
 
 `LLMEngine.step()` schedules a batch (continuous batching, chunked prefill), runs the model,
 samples the sequences whose chunk reached their end, checks the stop conditions and returns a
-`RequestOutput` per request that advanced. Errors stay with their request: a failing forward
-fails the sequences of that step, a failing request fails alone, the engine keeps going.
+`RequestOutput` per request that advanced. Errors stay with their request: a failing forward is
+retried one request at a time, a failing sampler row, prompt-logprob pass or detokenizer fails
+its request alone, and the engine keeps going.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,10 +20,10 @@ from flashdsa.runtime.block_manager import BlockManager
 from flashdsa.runtime.checks import check
 from flashdsa.runtime.detokenizer import Detokenizer
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits
-from flashdsa.runtime.sampler import sample, sampled_logprobs, token_logprobs
+from flashdsa.runtime.sampler import sample_each, token_logprobs
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from flashdsa.runtime.sequence import BLOCK_SIZE, Sequence, TokenLogprobs
+from flashdsa.runtime.sequence import BLOCK_SIZE, RequestOutput, Sequence, TokenLogprobs
 from flashdsa.runtime.structured import Grammars, advance
 
 logger = logging.getLogger(__name__)
@@ -44,27 +45,6 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
         check(0 < self.cache_fraction <= 1, f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one request. Latencies (s) are set when they apply."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    num_prompt_tokens: int
-    num_output_tokens: int
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # on the first output only
-    finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
-    stop_reason: Optional[str | int] = None  # the stop string or stop token id that ended it
-    num_cached_tokens: int = 0
-    error: Optional[str] = None
-    ttft: Optional[float] = None
-    itl: Optional[float] = None
-    e2e: Optional[float] = None
 
 
 def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
@@ -102,21 +82,28 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_token_time: dict[str, float] = {}
+        self.num_aborted = 0  # requests dropped unfinished (client gone)
+        self.num_failed = 0  # requests ended by an error
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """ValueError if the request cannot run here; else its max output tokens. No side effects."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must contain at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        max_tokens = self.max_model_len - n if params.max_tokens is None else params.max_tokens
-        if n + max(max_tokens, 1) > self.max_model_len:
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not all(t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if not all(t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        needed = 1 if params.max_tokens is None else params.max_tokens
+        if n + needed > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion)."
+                f"requested {n + needed} tokens ({n} in the prompt, {needed} for the completion)."
             )
-        return max_tokens
+        return self.max_model_len - n if params.max_tokens is None else params.max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; ValueError if its prompt or length do not fit the model."""
@@ -135,8 +122,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (unknown ids are ignored)."""
-        self.scheduler.abort(request_id)
+        if self.scheduler.abort(request_id) is not None:
+            self.num_aborted += 1
         self._forget(request_id)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every unfinished request with an error (for a step that failed outside any request)."""
+        return [self._fail(seq, message) for seq in [*self.scheduler.running, *self.scheduler.waiting]]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -147,25 +139,50 @@ class LLMEngine:
             return []
         try:
             step_logits = self.runner.run(chunks)
-        except Exception as exc:  # the whole step failed: fail its requests, keep the engine
-            logger.exception("forward step failed")
-            return [self._fail(c.seq, f"forward failed: {exc}") for c in chunks]
+        except Exception:  # find the request(s) at fault: run each alone (rewriting the same slots is harmless)
+            logger.exception("forward step failed; running its %d requests one at a time", len(chunks))
+        else:
+            return self._process(chunks, step_logits)
         outputs = []
-        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
-        seqs = [c.seq for _, c in sampling]
-        rows = [step_logits.row_start[i] + step_logits.num_rows[i] - 1 for i, _ in sampling]
-        logits = step_logits.logits[rows]
-        bitmask = self.grammars.bitmask([s.matcher for s in seqs], self.device)
-        tokens = sample(logits, seqs, bitmask) if seqs else torch.empty(0, dtype=torch.int64)
-        logprobs = sampled_logprobs(logits, tokens, seqs)
-        for i, chunk in enumerate(chunks):
-            if chunk.seq.wants_prompt_logprobs:
-                self._add_prompt_logprobs(chunk, step_logits, i)
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.register_computed(chunk.seq)
-        for seq, token, lp in zip(seqs, tokens.tolist(), logprobs):
+        for chunk in chunks:
             try:
-                outputs.append(self._append_token(seq, token, lp))
+                step_logits = self.runner.run([chunk])
+            except Exception as exc:
+                outputs.append(self._fail(chunk.seq, f"forward failed: {exc}"))
+                continue
+            outputs += self._process([chunk], step_logits)
+        return outputs
+
+    def _process(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[RequestOutput]:
+        """Advance the chunks that ran: prompt logprobs, computed tokens, then one token for each
+        sequence whose chunk reached its end (a prompt-only request finishes there instead)."""
+        outputs, sampling = [], []
+        for i, chunk in enumerate(chunks):
+            seq = chunk.seq
+            try:
+                if seq.wants_prompt_logprobs:
+                    self._add_prompt_logprobs(chunk, step_logits, i)
+            except Exception as exc:
+                outputs.append(self._fail(seq, f"prompt logprobs failed: {exc}"))
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.register_computed(seq)
+            if chunk.samples and seq.max_tokens == 0:
+                seq.finish("length")
+                outputs.append(self._output(seq, [], "", []))
+            elif chunk.samples:
+                sampling.append((seq, step_logits.row_start[i] + step_logits.num_rows[i] - 1))
+        seqs = [seq for seq, _ in sampling]
+        results = []
+        if seqs:
+            bitmask = self.grammars.bitmask([seq.matcher for seq in seqs], self.device)
+            results = sample_each(step_logits.logits[[row for _, row in sampling]], seqs, bitmask)
+        for seq, result in zip(seqs, results):
+            if isinstance(result, Exception):
+                outputs.append(self._fail(seq, f"sampling failed: {result}"))
+                continue
+            try:
+                outputs.append(self._append_token(seq, *result))
             except Exception as exc:
                 logger.exception("request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, str(exc)))
@@ -187,9 +204,10 @@ class LLMEngine:
         seq.append_token(token)
         params = seq.params
         grammar_ended = seq.matcher is not None and advance(seq.matcher, token)
-        if token == seq.eos_token_id and not params.ignore_eos and seq.num_output_tokens > params.min_tokens:
+        stoppable = seq.num_output_tokens >= params.min_tokens  # no stop condition applies before min_tokens
+        if stoppable and token == seq.eos_token_id and not params.ignore_eos:
             seq.finish("stop")
-        elif token in params.stop_token_ids:
+        elif stoppable and token in seq.stop_token_ids:
             seq.finish("stop", token)
         elif grammar_ended:
             seq.finish("stop")
@@ -197,20 +215,24 @@ class LLMEngine:
             seq.finish("length")
         detok = self.detokenizers[seq.request_id]
         if not (seq.is_finished and seq.finish_reason == "stop"):
-            stop = detok.add_token(token, final=seq.is_finished)
+            stop = detok.add_token(token, final=seq.is_finished, find_stop=stoppable)
             if stop is not None:
                 seq.finish("stop", stop)
+        return self._output(seq, [token], detok.delta(seq.is_finished), [logprobs] if logprobs is not None else [])
+
+    def _output(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs]) -> RequestOutput:
+        """The RequestOutput of what this step added to seq; a finished seq leaves the engine."""
         now = time.monotonic()
-        first = seq.num_output_tokens == 1
+        first = seq.num_output_tokens == len(token_ids)  # the request's first output
         out = RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
-            new_text=detok.delta(seq.is_finished),
+            new_token_ids=token_ids,
+            new_text=text,
             finished=seq.is_finished,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            new_logprobs=[logprobs] if logprobs is not None else [],
-            prompt_logprobs=seq.prompt_logprobs if first and params.prompt_logprobs is not None else None,
+            new_logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             num_cached_tokens=seq.num_cached_prompt_tokens,
@@ -225,8 +247,10 @@ class LLMEngine:
         return out
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
-        self.abort(seq.request_id)
+        self.scheduler.abort(seq.request_id)
+        self._forget(seq.request_id)
         seq.finish("error")
+        self.num_failed += 1
         return RequestOutput(seq.request_id, [], "", True, seq.num_prompt_tokens, seq.num_output_tokens,
                              finish_reason="error", error=message)
 

@@ -1,22 +1,29 @@
 """Next-token sampling for a batch of sequences, vectorised over the batch.
 
-Order, as in vLLM: penalties (repetition on prompt + output, presence and frequency on the
-output), the structured-output grammars' token bitmask, min_tokens (EOS and stop ids masked
+Order, as in vLLM: logit_bias, penalties (repetition on prompt + output, presence and frequency on
+the output), the structured-output grammars' token bitmask, min_tokens (EOS and stop ids masked
 until reached), then greedy rows take the argmax and the rest divide by temperature, keep the
 top_k, the top_p nucleus and tokens with p >= min_p * p_max, and sample with the exponential
 race argmax(p / q), q ~ Exp(1), drawing q from the request's own generator when it set a seed
-(so its tokens do not depend on the batch).
-Log-probabilities are those of the raw model distribution, before any of this.
+(so its tokens do not depend on the batch). Log-probabilities are those of the raw model distribution, before any of this.
+
+Everything runs batched on the logits' device: per-request values travel in a few host-to-device
+copies per step (never one per request), and nothing is read back until the caller takes the tokens.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Callable, Optional, Union
 
 import torch
 
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
 from flashdsa.runtime.structured import apply_bitmask
+
+logger = logging.getLogger(__name__)
+
+Sampled = tuple[int, Optional[TokenLogprobs]]
 
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -50,16 +57,48 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def _request_tensors(seq: Sequence, name: str, device: torch.device, build: Callable[[], dict[int, float]]):
+    """(ids [K] int64, values [K] fp32) of build()'s {token id: value} for one request on device,
+    built on its first step and kept in seq.sampler_tensors: later steps copy nothing per request."""
+    cached = seq.sampler_tensors.get(name)
+    if cached is None:
+        entries = build()
+        cached = seq.sampler_tensors[name] = (torch.tensor(list(entries), dtype=torch.int64, device=device),
+                                              torch.tensor(list(entries.values()), dtype=torch.float32, device=device))
+    return cached
+
+
+def _put_rows(logits: torch.Tensor, rows: list[int], parts: list[tuple[torch.Tensor, torch.Tensor]], accumulate: bool) -> None:
+    """logits[rows[i], ids_i] = values_i (+= when accumulate) for parts[i] = (ids_i, values_i), one op."""
+    if not rows:
+        return
+    device = logits.device
+    lengths = torch.tensor([len(ids) for ids, _ in parts])
+    row_index = torch.repeat_interleave(torch.tensor(rows), lengths).to(device)
+    token_index = torch.cat([ids for ids, _ in parts])
+    logits.index_put_((row_index, token_index), torch.cat([values for _, values in parts]), accumulate=accumulate)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Add each request's logit_bias to its row of logits [N, vocab], in place."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.logit_bias]
+    parts = [_request_tensors(seqs[i], "logit_bias", logits.device, lambda: seqs[i].params.logit_bias) for i in rows]
+    _put_rows(logits, rows, parts, accumulate=True)
+
+
+def _min_tokens_banned(seq: Sequence) -> dict[int, float]:
+    """EOS (unless ignored) and the stop token ids, each with -inf."""
+    banned = dict.fromkeys(seq.params.stop_token_ids, float("-inf"))
+    if seq.eos_token_id is not None and not seq.params.ignore_eos:
+        banned[seq.eos_token_id] = float("-inf")
+    return banned
+
+
 def mask_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Forbid EOS and the stop token ids for sequences still short of min_tokens."""
-    vocab = logits.shape[1]
-    for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
-            banned = list(seq.params.stop_token_ids)
-            if seq.eos_token_id is not None and not seq.params.ignore_eos:
-                banned.append(seq.eos_token_id)
-            banned = [t for t in banned if t < vocab]
-            logits[i, banned] = float("-inf")
+    rows = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
+    parts = [_request_tensors(seqs[i], "min_tokens", logits.device, lambda: _min_tokens_banned(seqs[i])) for i in rows]
+    _put_rows(logits, rows, parts, accumulate=False)
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -69,7 +108,7 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         return logits
     vocab, device = logits.shape[1], logits.device
     sorted_logits, order = logits.sort(dim=1, descending=True)
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64, device)
     drop = torch.arange(vocab, device=device).unsqueeze(0) >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
     top_p = _column([p.top_p for p in params], torch.float32, device)
@@ -82,10 +121,13 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
 
 
 def _exponential_noise(shape: torch.Size, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    """q ~ Exp(1) [N, vocab]; the rows of seeded requests from their own generators (on the host,
+    so they do not depend on the device), sent in one copy."""
     q = torch.empty(shape, device=device).exponential_()
-    for i, seq in enumerate(seqs):
-        if seq.generator is not None:
-            q[i] = torch.empty(shape[1]).exponential_(generator=seq.generator).to(device)
+    seeded = [i for i, seq in enumerate(seqs) if seq.generator is not None]
+    if seeded:
+        rows = torch.stack([torch.empty(shape[1]).exponential_(generator=seqs[i].generator) for i in seeded])
+        q[torch.tensor(seeded, device=device)] = rows.to(device)
     return q
 
 
@@ -95,7 +137,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[t
     token_bitmask: [N, ceil(vocab / 32)] int32 on the logits' device, the tokens each row's grammar
     allows (runtime/structured.py), or None.
     """
-    logits = apply_penalties(logits.clone(), seqs)
+    logits = logits.clone()
+    apply_logit_bias(logits, seqs)
+    logits = apply_penalties(logits, seqs)
     if token_bitmask is not None:
         apply_bitmask(logits, token_bitmask)
     mask_until_min_tokens(logits, seqs)
@@ -139,3 +183,31 @@ def sampled_logprobs(
         for i, lp in zip(rows, found):
             result[i] = lp
     return result
+
+
+def _sample_batch(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor]) -> list[Sampled]:
+    tokens = sample(logits, seqs, token_bitmask)
+    return list(zip(tokens.tolist(), sampled_logprobs(logits, tokens, seqs)))
+
+
+def sample_each(
+    logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None
+) -> list[Union[Sampled, Exception]]:
+    """(next token, its logprobs or None) per row of logits [N, vocab], sampled as one batch
+    (token_bitmask as in sample()).
+
+    If the batch fails, each row is sampled alone, so a request whose parameters break the
+    sampler gets its own exception and the other rows their tokens: one request never fails a step.
+    """
+    try:
+        return _sample_batch(logits, seqs, token_bitmask)
+    except Exception:
+        logger.exception("batched sampling failed; sampling its %d rows one at a time", len(seqs))
+    results: list[Union[Sampled, Exception]] = []
+    for i, seq in enumerate(seqs):
+        try:
+            row_mask = None if token_bitmask is None else token_bitmask[i : i + 1]
+            results += _sample_batch(logits[i : i + 1], [seq], row_mask)
+        except Exception as exc:
+            results.append(exc)
+    return results

@@ -1,10 +1,11 @@
-"""One request's state in the engine: its tokens, its block table and how far the cache holds it."""
+"""One request's state in the engine (its tokens, its block table and how far the cache holds
+it) and what a step hands back about it."""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,6 +30,27 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
+@dataclass
+class RequestOutput:
+    """What one step added to one request. Latencies (s) are set when they apply."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None  # on the first output only
+    finish_reason: Optional[str] = None  # "stop", "length", "abort" or "error"
+    stop_reason: Optional[str | int] = None  # the stop string or stop token id that ended it
+    num_cached_tokens: int = 0
+    error: Optional[str] = None
+    ttft: Optional[float] = None
+    itl: Optional[float] = None
+    e2e: Optional[float] = None
+
+
 class Sequence:
     """A request being generated.
 
@@ -51,6 +73,7 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
@@ -63,6 +86,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[str | int] = None
         self.arrival_time = time.monotonic()
+        self.sampler_tensors: dict[str, tuple[torch.Tensor, ...]] = {}  # built by the sampler, kept for the request's life
         self.generator: Optional[torch.Generator] = None
         self.matcher = None  # the xgrammar matcher of a structured-output request (engine-owned)
         if params.seed is not None:

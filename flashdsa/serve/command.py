@@ -12,7 +12,9 @@ import torch
 from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.runtime.async_engine import AsyncLLM
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.runtime.sampling_params import generation_defaults
 from flashdsa.serve.app import ServerState, build_app
+from flashdsa.serve.limits import RequestLimits
 from flashdsa.serve.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -25,12 +27,16 @@ def make_app(
     config: Optional[EngineConfig] = None,
     max_queued: int = 1024,
     api_key: Optional[str] = None,
+    limits: Optional[RequestLimits] = None,
+    sampling_defaults: Optional[dict] = None,
 ):
-    """The FastAPI app serving ``model``; its engine thread starts with the app (lifespan)."""
+    """The FastAPI app serving ``model``; its engine thread starts with the app (lifespan).
+    sampling_defaults: SamplingParams fields requests fall back to (generation_defaults())."""
     engine = LLMEngine(model, tokenizer, config)
     metrics = ServerMetrics(engine)
     llm = AsyncLLM(engine, max_queued=max_queued, on_step=metrics.on_step)
-    return build_app(ServerState(llm, tokenizer, model_name, metrics, api_key))
+    state = ServerState(llm, tokenizer, model_name, metrics, api_key, limits or RequestLimits(), sampling_defaults or {})
+    return build_app(state)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--num-blocks", type=int, help="cache size in 64-token blocks")
     cache.add_argument("--cache-fraction", type=float, default=0.9,
                        help="fraction of device memory the process may fill with weights + cache (CUDA)")
-    parser.add_argument("--max-queued", type=int, default=1024, help="queued requests beyond which 503")
+    parser.add_argument("--max-queued", type=int, default=1024,
+                        help="sequences that may wait beyond --max-num-seqs; more get a 503")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    # per-request caps (serve/limits.py) and sampling defaults
+    parser.add_argument("--max-request-bytes", type=int, default=RequestLimits.max_request_bytes,
+                        help="request bodies above this many bytes get a 413")
+    parser.add_argument("--max-n", type=int, default=RequestLimits.max_n, help="choices (n, best_of) one request may ask for")
+    parser.add_argument("--max-stop", type=int, default=RequestLimits.max_stop, help="stop strings one request may give")
+    parser.add_argument("--max-logprob-entries", type=int,
+                        help="logprob entries one request may return (default: 2**20, or one full-length choice "
+                             "with 20 alternatives if more)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults: 'auto' reads the model's generation_config.json, 'none' ignores it, "
+                             "or a directory holding one")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
     )
     name = args.served_model_name or Path(args.model).name
-    app = make_app(model, tokenizer, name, config, args.max_queued, args.api_key)
+    limits = RequestLimits(args.max_request_bytes, args.max_n, args.max_stop, args.max_logprob_entries)
+    source = {"auto": args.model, "none": None}.get(args.generation_config, args.generation_config)
+    defaults = generation_defaults(source) if source is not None else {}
+    app = make_app(model, tokenizer, name, config, args.max_queued, args.api_key, limits, defaults)
     logger.info("serving %s on http://%s:%d", name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

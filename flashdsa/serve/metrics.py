@@ -1,8 +1,8 @@
 """Prometheus metrics of the server, in one registry per server (so tests can run several).
 
-Engine state (running and waiting requests, cache usage, prefix-cache lookups, preemptions) is
-read when /metrics is scraped; per-request figures (tokens, latencies) are recorded from the
-engine thread after each step.
+Engine state (running and waiting requests, cache blocks, prefix-cache lookups, preemptions,
+aborted and failed requests) is read when /metrics is scraped; per-request figures (tokens,
+latencies) are recorded from the engine thread after each step.
 """
 
 from __future__ import annotations
@@ -10,24 +10,27 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from flashdsa.runtime.engine import LLMEngine, RequestOutput
+from flashdsa.runtime.engine import LLMEngine
+from flashdsa.runtime.sequence import RequestOutput
 
 PREFIX = "flashdsa:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
-class _SchedulerCounters:
-    """Collector turning the scheduler's cumulative counters into Prometheus counters."""
+class _EngineCounters:
+    """Collector turning the engine's and scheduler's cumulative counters into Prometheus counters."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
     def collect(self):
-        scheduler = self.engine.scheduler
+        engine, scheduler = self.engine, self.engine.scheduler
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", scheduler.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", scheduler.prefix_hits),
             ("num_preemptions", "Sequences preempted (recomputed later) for lack of cache blocks", scheduler.num_preemptions),
+            ("request_aborted", "Requests dropped unfinished (client gone)", engine.num_aborted),
+            ("request_failed", "Requests ended by an error in their processing", engine.num_failed),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
@@ -49,7 +52,10 @@ class ServerMetrics:
         Gauge(PREFIX + "num_blocks_used", "Cache blocks held by requests", registry=r).set_function(
             lambda: blocks.num_used_blocks
         )
-        r.register(_SchedulerCounters(engine))
+        Gauge(PREFIX + "num_blocks_free", "Cache blocks free for new tokens (prefix-cached ones included)",
+              registry=r).set_function(lambda: blocks.num_free_blocks)
+        Gauge(PREFIX + "num_blocks_total", "Cache blocks in all", registry=r).set_function(lambda: blocks.num_blocks)
+        r.register(_EngineCounters(engine))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of started requests", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter(
@@ -70,7 +76,7 @@ class ServerMetrics:
                 self.ttft.observe(out.ttft)
             if out.itl is not None:
                 self.itl.observe(out.itl)
-            if out.finished:
+            if out.finished and out.error is None:  # failures count in request_failed
                 self.finished.labels(out.finish_reason or "unknown").inc()
                 if out.e2e is not None:
                     self.e2e.observe(out.e2e)

@@ -18,3 +18,21 @@ def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     save_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny checkpoint with every width shrunk (reference mode only: fast on CPU)."""
+    from flashdsa.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), shrink=True)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_path):
+    """(model, tokenizer) of tiny_path."""
+    from transformers import AutoTokenizer
+
+    from flashdsa.models.loader import load_model
+
+    return load_model(tiny_path, mode="reference"), AutoTokenizer.from_pretrained(str(tiny_path))

@@ -1,4 +1,5 @@
-"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, stopped on exit."""
+"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, stopped on exit, and
+readers of its /metrics."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 START_TIMEOUT_S = 30
@@ -13,6 +15,8 @@ START_TIMEOUT_S = 30
 
 class ServerThread:
     def __init__(self, app) -> None:
+        self.app = app
+        self.engine = app.state.server.llm.engine
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -34,3 +38,16 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=15)
         self.sock.close()
+
+
+def metric(server: ServerThread, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    lines = [line for line in text.splitlines() if line.startswith(f"flashdsa:{name} ")]
+    return float(lines[0].split()[1])
+
+
+def wait_until_idle(server: ServerThread, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server, "num_requests_running") + metric(server, "num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)

@@ -3,7 +3,7 @@ depend on batching, chunking, preemption or prefix-cache hits."""
 
 import pytest
 import torch
-from fake_model import FakeModel, reference_greedy
+from fake_model import FakeModel, context_logits, reference_greedy
 
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.llm import LLM
@@ -65,7 +65,6 @@ def test_prompt_logprobs_cover_every_prompt_token_across_chunks(tok):
     prompt = [(i * 11) % 200 + 2 for i in range(120)]
     result = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
-    from fake_model import context_logits
     want = context_logits(torch.tensor(prompt[:60]), vocab).log_softmax(0)[prompt[60]]
     assert abs(result.prompt_logprobs[60].logprob - want.item()) < 1e-5
 
@@ -107,3 +106,29 @@ def test_requests_that_cannot_fit_are_refused(tok):
 def test_engine_options_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         EngineConfig(**bad)
+
+
+def test_a_prompt_only_request_scores_the_prompt_and_generates_nothing(tok):
+    vocab = len(tok)
+    llm = LLM(FakeModel(vocab), tok, num_blocks=16, max_model_len=64)
+    prompt = [(i * 7) % 200 + 2 for i in range(64)]  # as long as the model allows: nothing left to generate
+    result = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)[0]
+    assert result.outputs[0].token_ids == [] and result.outputs[0].finish_reason == "length"
+    want = context_logits(torch.tensor(prompt[:10]), vocab).log_softmax(0)[prompt[10]]
+    assert len(result.prompt_logprobs) == 64 and abs(result.prompt_logprobs[10].logprob - want.item()) < 1e-5
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_min_tokens_holds_off_every_stop_condition(tok):
+    vocab = len(tok)
+    llm = LLM(FakeModel(vocab), tok, num_blocks=32)
+    prompt = [5, 6, 7]
+    want = reference_greedy(prompt, vocab, 12, eos=-1)
+    text = tok.decode(want, skip_special_tokens=True)
+    early_stop = tok.decode(want[:2], skip_special_tokens=True)[-1]  # a character of the first tokens
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=6)
+    by_text = llm.generate([prompt], SamplingParams(stop=[early_stop], **params), use_tqdm=False)[0].outputs[0]
+    assert len(by_text.token_ids) >= 6 and by_text.token_ids == want[: len(by_text.token_ids)]
+    assert by_text.text == text[: len(by_text.text)] and early_stop not in by_text.text[len(tok.decode(want[:6])):]
+    by_id = llm.generate([prompt], SamplingParams(stop_token_ids=[want[1]], **params), use_tqdm=False)[0].outputs[0]
+    assert want[1] not in by_id.token_ids[:6]  # masked until min_tokens: the text differs from greedy there

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from flashdsa.runtime.sampler import apply_penalties, filter_top_k_top_p_min_p, sample, sampled_logprobs
+from flashdsa.runtime.sampler import (
+    apply_logit_bias,
+    apply_penalties,
+    filter_top_k_top_p_min_p,
+    sample,
+    sample_each,
+    sampled_logprobs,
+)
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import Sequence
 
@@ -102,8 +109,46 @@ def test_logprobs_are_the_raw_log_softmax_with_rank_and_top():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=1.5),
-                                 dict(max_tokens=0), dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
-                                 dict(presence_penalty=3), dict(repetition_penalty=0), dict(seed=-1)])
+                                 dict(max_tokens=-1), dict(max_tokens=0), dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
+                                 dict(presence_penalty=3), dict(repetition_penalty=0), dict(seed=-1),
+                                 dict(top_k=2**63), dict(seed=2**63), dict(temperature=math.nan),
+                                 dict(top_p=math.nan), dict(repetition_penalty=math.inf), dict(max_tokens=2**64),
+                                 dict(logit_bias={5: 100.5}), dict(logit_bias={-1: 1.0}), dict(logit_bias={5: math.nan}),
+                                 dict(stop_token_ids=[2**63]), dict(n=1.5)])
 def test_out_of_range_parameters_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_logit_bias_is_added_to_its_own_row_only():
+    logits = torch.cat([logits_row(i) for i in range(3)])
+    seqs = [seq(), seq(logit_bias={4: 100.0, 7: -3.5}), seq(logit_bias={4: -100.0})]
+    biased = logits.clone()
+    apply_logit_bias(biased, seqs)
+    want = logits.clone()
+    want[1, 4] += 100.0
+    want[1, 7] -= 3.5
+    want[2, 4] -= 100.0
+    torch.testing.assert_close(biased, want)
+    assert sample(logits[1:2], seqs[1:2]).item() == 4  # +100 dominates any sample
+    apply_logit_bias(biased, seqs)  # the request's tensors are built once and reused
+    assert seqs[1].sampler_tensors["logit_bias"][0].tolist() == [4, 7]
+
+
+def test_top_k_above_the_vocabulary_keeps_every_token():
+    logits = logits_row(7)
+    kept = filter_top_k_top_p_min_p(logits.clone(), [seq(top_k=2**63 - 1)])
+    torch.testing.assert_close(kept, logits)
+
+
+def test_a_row_that_breaks_the_sampler_fails_alone():
+    logits = torch.cat([logits_row(i) for i in range(3)])
+    seqs = [seq(temperature=0.5, seed=1), seq(temperature=0.5), seq(temperature=0, logprobs=1)]
+    seqs[1].params.logit_bias = {V + 5: 1.0}  # slipped past the engine's check: outside the vocabulary
+    with pytest.raises(IndexError):
+        sample(logits, seqs)
+    results = sample_each(logits, seqs)
+    assert isinstance(results[1], Exception)
+    assert results[0][0] == sample(logits[:1], [seq(temperature=0.5, seed=1)]).item()
+    token, lp = results[2]
+    assert token == logits[2].argmax().item() and lp.rank == 1

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_thread import ServerThread
+from server_thread import ServerThread, metric, wait_until_idle
 
 from flashdsa.runtime.engine import EngineConfig
 from flashdsa.serve.command import make_app
@@ -22,28 +22,11 @@ SYSTEM = "You are a helpful assistant. " * 12  # > 64 tokens: at least one full 
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    from flashdsa.models.tiny import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), shrink=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_path):
-    from transformers import AutoTokenizer
-
-    from flashdsa.models.loader import load_model
-
-    return load_model(tiny_path, mode="reference"), AutoTokenizer.from_pretrained(str(tiny_path))
-
-
-@pytest.fixture(scope="module")
 def server(tiny):
     model, tokenizer = tiny
     config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=512, num_blocks=48, max_model_len=512)
     app = make_app(model, tokenizer, MODEL, config, max_queued=64, api_key=KEY)
     with ServerThread(app) as s:
-        s.engine = app.state.server.llm.engine
         yield s
         wait_until_idle(s)
         assert s.engine.block_manager.num_used_blocks == 0
@@ -52,19 +35,6 @@ def server(tiny):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    lines = [line for line in text.splitlines() if line.startswith(f"flashdsa:{name} ")]
-    return float(lines[0].split()[1])
-
-
-def wait_until_idle(server, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while metric(server, "num_requests_running") + metric(server, "num_requests_waiting") > 0:
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.05)
 
 
 def greedy(**extra):
@@ -233,11 +203,15 @@ def test_fuzz_of_bad_requests_is_answered_4xx_and_the_server_stays_healthy(serve
     assert client.completions.create(prompt="still there?", **greedy()).usage.completion_tokens == 6
 
 
-def test_tokenize_round_trip(server, tiny):
-    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()
+def test_tokenize_round_trip_needs_the_key(server, tiny):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "Hello there", "add_special_tokens": False}
+    tokens = httpx.post(server.url + "/tokenize", json=body, headers=auth).json()
     assert tokens["tokens"] == tiny[1].encode("Hello there", add_special_tokens=False)
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()["prompt"]
     assert text == "Hello there"
+    for route, payload in (("/tokenize", body), ("/detokenize", {"tokens": tokens["tokens"]})):
+        assert httpx.post(server.url + route, json=payload).status_code == 401
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
@@ -274,7 +248,6 @@ def test_full_queue_answers_503_and_recovers(tiny):
             assert next(lines).startswith("data: ")
             busy = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
             assert busy.status_code == 503 and busy.json()["error"]["code"] == 503
-        s.engine = app.state.server.llm.engine
         wait_until_idle(s)
         again = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert again.status_code == 200
