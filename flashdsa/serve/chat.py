@@ -14,15 +14,8 @@ from flashdsa.runtime.sequence import TokenLogprobs
 from flashdsa.serve.app import ServerState
 from flashdsa.serve.chat_output import ChatChoice
 from flashdsa.serve.errors import APIError
-from flashdsa.serve.generation import (
-    choice_outputs,
-    json_reply,
-    new_id,
-    sse_response,
-    start_choices,
-    usage,
-    while_connected,
-)
+from flashdsa.serve.generation import (choice_outputs, json_reply, new_id, sse_response, start_choices, usage,
+                                       while_connected)
 from flashdsa.serve.protocol import ChatCompletionRequest
 from flashdsa.serve.tools import chat_params
 
