@@ -152,3 +152,24 @@ def test_a_row_that_breaks_the_sampler_fails_alone():
     assert results[0][0] == sample(logits[:1], [seq(temperature=0.5, seed=1)]).item()
     token, lp = results[2]
     assert token == logits[2].argmax().item() and lp.rank == 1
+
+
+@pytest.mark.gpu
+def test_the_sampler_on_cuda_matches_the_cpu_with_bias_masks_and_seeds():
+    """logit_bias, min_tokens and seeded rows on the device give the CPU's tokens; the requests'
+    tensors are built on the device once and reused on the next step."""
+    logits = torch.cat([logits_row(i) for i in range(4)])
+
+    def batch():
+        return [
+            seq(temperature=0, logit_bias={3: 50.0, 9: -100.0}),
+            seq(output=(5,), eos=7, min_tokens=3, stop_token_ids=[2], temperature=0),
+            seq(temperature=0.7, seed=5, top_k=2**40),
+            seq(temperature=0),
+        ]
+
+    on_cpu, on_gpu = batch(), batch()
+    want = [sample(logits, on_cpu).tolist() for _ in range(2)]
+    got = [sample(logits.cuda(), on_gpu).tolist() for _ in range(2)]
+    assert got == want
+    assert on_gpu[0].sampler_tensors["logit_bias"][0].device.type == "cuda"
