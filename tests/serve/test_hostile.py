@@ -51,6 +51,15 @@ GENERATING = [  # valid but extreme: each must generate (or be refused), never f
     {"prompt": "\u202e\u200b\u0000<|eos|><|bos|>"}, {"prompt": [0] * 50}, {"prompt": [2047, 0, 1]},
     {"prompt": ["a", [5, 6], "b"]}, {"n": 4, "best_of": 6}, {"logprobs": 20, "n": 2}, {"ignore_eos": True},
     {"stream": True, "stream_options": {"include_usage": True}, "n": 2},
+    {"response_format": {"type": "json_object"}}, {"guided_choice": ["yes", "no"]}, {"guided_regex": "[a-z]+"},
+]
+BAD_GRAMMARS = [  # each a 400 naming its field
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+    {"response_format": {"type": "json_schema"}}, {"guided_regex": "("}, {"guided_choice": []},
+    {"guided_json": "{not json"}, {"guided_grammar": "root ::= ("}, {"guided_regex": "a", "guided_choice": ["a"]},
+    {"guided_choice": ["a"], "min_tokens": 1}, {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+    {"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "absent"}}},
+    {"chat_template_kwargs": {"tokenize": True}},
 ]
 
 
@@ -74,6 +83,8 @@ def hostile_requests() -> list[tuple[str, bytes]]:
         cases.append(("/v1/completions", json.dumps({**base, **extreme}).encode()))
         cases.append(("/v1/chat/completions", json.dumps({**chat, **{k: v for k, v in extreme.items()
                                                                      if k not in ("prompt", "echo", "best_of")}}).encode()))
+    for grammar in BAD_GRAMMARS:
+        cases.append(("/v1/chat/completions", json.dumps({**chat, **grammar}).encode()))
     for _ in range(40):  # random mixes of good and bad fields
         body = dict(base)
         for field in rng.sample([f for f in FIELDS if f != "max_tokens"], 3):
