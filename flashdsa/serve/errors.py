@@ -22,9 +22,7 @@ logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
-
-
-UNION_BRANCHES = {"str", "int", "float", "bool", "none"}
+UNION_BRANCHES = {"str", "int", "float", "bool", "none"}  # pydantic's names for the branches of a union
 
 
 class APIError(Exception):

@@ -19,6 +19,7 @@ from flashdsa.runtime.checks import check
 from flashdsa.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
 from flashdsa.serve.errors import error_response
 
+
 @dataclass
 class RequestLimits:
     """max_logprob_entries None: 2**20, or one full-length choice with the most alternatives if more."""
