@@ -6,8 +6,9 @@ then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-e
 
 - decode ms/step and tokens/s at each (batch, context), against the bytes-read bound: what one
   step must read once (every resident weight but the embedding table and the routed experts, the
-  experts the batch selects (expected distinct under uniform routing), and per layer and sequence
-  the top-k latent rows (656 B) and every indexer key (132 B)) at the copy bandwidth measured here;
+  distinct experts the batch's tokens select (counted in an eager step of the same batch), and
+  per layer and sequence the top-k latent rows (656 B) and every indexer key (132 B)) at the
+  memory bandwidth of a device copy measured here (bytes read and written per second);
 - GPU-busy share, kernel launches and host syncs per decode step (torch profiler);
 - prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
   indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here).
@@ -78,17 +79,31 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def step_bytes(model, batch: int, context: int) -> float:
-    """Bytes one decode step must read (see the module docstring)."""
+def step_bytes(model, batch: int, context: int, distinct: list[int]) -> float:
+    """Bytes one decode step must read (see the module docstring); ``distinct``: experts chosen per MoE layer."""
     c = model.config
     experts = [m.mlp.experts for m in model.model.layers if hasattr(m.mlp, "experts")]
     routed = nbytes(t for e in experts for t in list(e.parameters()) + list(e.buffers()))
     resident = nbytes(list(model.parameters()) + list(model.buffers()))
     weights = resident - routed - model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    distinct = c.n_routed_experts * (1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch)
     per_expert = routed / max(len(experts), 1) / c.n_routed_experts
     cache = batch * c.num_hidden_layers * (min(context, c.index_topk) * MLA_TOKEN_BYTES + context * INDEXER_TOKEN_BYTES)
-    return weights + len(experts) * distinct * per_expert + cache
+    return weights + sum(distinct) * per_expert + cache
+
+
+def distinct_experts(engine: LLMEngine) -> list[int]:
+    """Experts each MoE layer's router picks in one eager decode step (hooks do not fire in a graph replay)."""
+    counts = []
+    gates = [layer.mlp.gate for layer in engine.runner.model.model.layers if hasattr(layer.mlp, "gate")]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: counts.append(out[1].unique().numel())) for g in gates]
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        engine.step()
+    finally:
+        engine.runner.graphs = graphs
+        for hook in hooks:
+            hook.remove()
+    return counts
 
 
 def prefill_flops(model, length: int) -> float:
@@ -157,7 +172,7 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
                  profile: bool = False) -> list[Row]:
     engine = make_engine(model, tokenizer, batch, context + steps + 16, eager)
     gen = torch.Generator().manual_seed(batch * context)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 9, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), torch.randint(3, model.config.vocab_size, (context,), generator=gen).tolist(), params)
     started = set()
@@ -169,9 +184,11 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
         engine.step()
         times.append(time.perf_counter() - t0)
     busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context}" if profile else "")
+    distinct = distinct_experts(engine)
     ms = statistics.median(times) * 1e3
-    bound_ms = step_bytes(model, batch, context) / bandwidth * 1e3
-    note = f"{batch * 1e3 / ms:.0f} tok/s; GPU busy {busy:.0%}; {launches:.0f} launches, {syncs:.0f} syncs/step"
+    bound_ms = step_bytes(model, batch, context, distinct) / bandwidth * 1e3
+    note = (f"{batch * 1e3 / ms:.0f} tok/s; {sum(distinct)} experts; GPU busy {busy:.0%}; {launches:.0f} launches, "
+            f"{syncs:.0f} syncs/step")
     return [Row("decode step" + (" (eager)" if eager else ""), f"b={batch} ctx={context}", ms,
                 bound_ms / ms * 100, "% of bound", 60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}")]
 

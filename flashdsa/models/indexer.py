@@ -36,7 +36,8 @@ PAGED_MAX_QUERIES = 4  # queries per sequence up to which the paged (decode) sco
 
 class TopK(nn.Module):
     """``logits: [T, L]`` -> positions of the k best finite scores ``[T, k]`` int32, -1 padded;
-    ``ends: [T]`` int32, when given, bounds each row's scan (its scores beyond are -inf anyway).
+    ``ends: [T]`` int32, when given, bounds each row's scan (its scores beyond are -inf anyway);
+    ``sorted=False`` leaves them in any order (the attention only gathers them).
 
     A module so that a forward hook sees both the scores and the choice (the layerwise check)."""
 
@@ -44,9 +45,9 @@ class TopK(nn.Module):
         super().__init__()
         self.k = k
 
-    def forward(self, logits: torch.Tensor, ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, ends: Optional[torch.Tensor] = None, sorted: bool = True) -> torch.Tensor:
         starts = None if ends is None else torch.zeros_like(ends)
-        return indexer_topk(logits, self.k, starts, ends)
+        return indexer_topk(logits, self.k, starts, ends, sorted=sorted)
 
 
 class Indexer(nn.Module):
@@ -116,7 +117,7 @@ class Indexer(nn.Module):
         if len(counts) == 1 and max(counts) <= PAGED_MAX_QUERIES:
             q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
             logits = indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, meta.max_context_len)
-            return self.topk(logits, (meta.positions + 1).to(torch.int32))
+            return self.topk(logits, (meta.positions + 1).to(torch.int32), sorted=False)
         out = torch.empty(q.shape[0], self.topk.k, dtype=torch.int32, device=q.device)
         for b, (t0, t1, length) in enumerate(ranges):
             k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]

@@ -201,6 +201,7 @@ def indexer_topk(
     starts: Optional[torch.Tensor] = None,
     ends: Optional[torch.Tensor] = None,
     *,
+    sorted: bool = True,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Top-k positions of each logits row.
@@ -208,7 +209,9 @@ def indexer_topk(
     logits: [T, L] fp32 scores; non-finite entries are never selected.
     topk: int >= 1. starts, ends: [T] int32 ranges (default [0, L)); 0 <= start <= end <= L.
     Returns [T, topk] int32: the columns of the topk largest finite scores inside [start, end),
-    by descending score, ties to the lower column, padded with -1.
+    by descending score, ties to the lower column, padded with -1. ``sorted=False`` returns the
+    same set in any order (the valid ones first), for callers that only gather the positions
+    (sparse attention): the Triton backend then skips its final sort.
     """
     check_tensor("logits", logits, torch.float32, [None, None], "fp32 [T, L]")
     _check_int("topk", topk, 1)
@@ -216,7 +219,8 @@ def indexer_topk(
     starts = torch.zeros(num_q, dtype=torch.int32, device=logits.device) if starts is None else starts
     ends = torch.full((num_q,), length, dtype=torch.int32, device=logits.device) if ends is None else ends
     _check_ranges(starts, ends, num_q, length, logits.device)
-    return dispatch.select("indexer_topk", logits.device, backend, topk=topk)(logits, topk, starts, ends)
+    check(isinstance(sorted, bool), f"sorted must be a bool, got {sorted!r}")
+    return dispatch.select("indexer_topk", logits.device, backend, topk=topk)(logits, topk, starts, ends, sorted)
 
 
 def indexer_fused_topk(

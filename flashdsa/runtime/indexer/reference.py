@@ -123,9 +123,11 @@ def _in_range_scores(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Ten
     return torch.where(keep, logits, -math.inf)
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor,
+                 sorted: bool = True) -> torch.Tensor:
     """Positions ``[T, topk]`` int32 of the ``topk`` largest finite scores in ``[starts, ends)``,
-    by descending score, ties to the lower position, -1 padded."""
+    by descending score, ties to the lower position, -1 padded (always sorted: any order is allowed
+    with ``sorted=False``)."""
     out = []
     step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
     for t0 in range(0, logits.shape[0], step):

@@ -130,8 +130,18 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
         tl.store(out_ptr + out_rows + pos[None, :], score, mask=query_ok & (pos < max_context_len)[None, :])
 
 
+def _paged_steps(batch: int, max_context_len: int, tokens: int, device: torch.device) -> int:
+    """Steps per program: STEPS_PER_PROGRAM, halved while the grid would not give every SM two
+    programs (a decode step of a few requests would otherwise run on a handful of SMs)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    steps, blocks = STEPS_PER_PROGRAM, triton.cdiv(max_context_len, tokens)
+    while steps > 1 and batch * triton.cdiv(blocks, steps) < 2 * sms:
+        steps //= 2
+    return steps
+
+
 def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
-                         tokens_per_step: int = 64, steps: int = STEPS_PER_PROGRAM, num_warps: int = 4,
+                         tokens_per_step: int = 64, steps: int | None = None, num_warps: int = 4,
                          num_stages: int = 3, heads_on_n: bool = False) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
@@ -144,6 +154,7 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
         return out
     block_size = k_cache.shape[1]
     tokens = max(tokens_per_step, block_size)
+    steps = steps or _paged_steps(batch, max_context_len, tokens, q_fp8.device)
     grid = (batch, triton.cdiv(max_context_len, tokens * steps))
     table = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     _paged_kernel[grid](

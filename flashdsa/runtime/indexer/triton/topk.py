@@ -194,9 +194,10 @@ def _candidate_pass(row_ptr, cand_ptr, num_cand, prefix, need, SHIFT: tl.constex
 @triton.jit
 def _finish_kernel(vals_ptr, stride_v, scratch_ptr, topk, sel_ptr, cand_ptr, stride_cand,
                    prefix_pos_ptr, stride_p, prefix_len, pos_base, out_idx_ptr, stride_o, out_val_ptr, stride_ov,
-                   PREFIX: tl.constexpr, VALUES: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                   PREFIX: tl.constexpr, VALUES: tl.constexpr, SORT: tl.constexpr, K_PAD: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """Pass 4, one program per row: the needed candidates join the selected list, which is sorted
-    and written as positions (and scores). With PREFIX, columns below ``prefix_len`` hold a
+    (unless not SORT: list order) and written as positions (and scores). With PREFIX, columns below ``prefix_len`` hold a
     running top-k whose positions are ``prefix_pos``; later columns are positions ``pos_base + col
     - prefix_len``."""
     row = tl.program_id(0).to(tl.int64)
@@ -221,10 +222,13 @@ def _finish_kernel(vals_ptr, stride_v, scratch_ptr, topk, sel_ptr, cand_ptr, str
         tl.store(sel_ptr + num_sel + tl.cumsum(flags, 0) - flags, cols, mask=take)
         num_sel += tl.sum(flags, 0)
     tl.debug_barrier()  # the list written above is read back by other threads of this program
-    # sort the selected by (key desc, position asc) and write positions (and scores)
     i = tl.arange(0, K_PAD)
     chosen = i < num_sel
     cols = tl.load(sel_ptr + i, mask=chosen, other=0)
+    if not SORT:  # positions only, in list order (PREFIX and VALUES need the sort)
+        tl.store(out_idx_ptr + row * stride_o + i, tl.where(chosen, cols, -1), mask=i < topk)
+        return
+    # sort the selected by (key desc, position asc) and write positions (and scores)
     key = tl.where(chosen, _order_key(tl.load(row_ptr + cols, mask=chosen, other=0.0)), 0)
     if PREFIX:
         early = cols < prefix_len
@@ -268,7 +272,7 @@ class _Selection:
         self.k_pad, self.block, self.num_warps = k_pad, block, num_warps
 
     def run(self, vals: torch.Tensor, topk: int, width: int, out: torch.Tensor, *, ranges=None, prefix=None,
-            pos_base: int = 0, out_vals: Optional[torch.Tensor] = None) -> None:
+            pos_base: int = 0, out_vals: Optional[torch.Tensor] = None, sort: bool = True) -> None:
         """Top-k of each row of ``vals`` (columns [0, width), or ``ranges`` = (starts, ends)) into ``out``;
         ``prefix`` = (positions, length) maps the first ``length`` columns to positions (fused top-k)."""
         rows = vals.shape[0]
@@ -287,11 +291,12 @@ class _Selection:
             vals, vals.stride(0), self.scratch, topk, self.selected, self.candidates, self.candidates.stride(0),
             prefix_pos, prefix_pos.stride(0), prefix_len, pos_base, out, out.stride(0),
             out_vals_or_any, out_vals_or_any.stride(0),
-            PREFIX=prefix is not None, VALUES=out_vals is not None, K_PAD=self.k_pad, BLOCK=BLOCK, num_warps=8,
+            PREFIX=prefix is not None, VALUES=out_vals is not None, SORT=sort or prefix is not None or out_vals is not None,
+            K_PAD=self.k_pad, BLOCK=BLOCK, num_warps=8,
         )
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor, *,
+def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor, sorted: bool = True, *,
                  num_warps: int = 8, split: Optional[int] = None, block: int = BLOCK) -> torch.Tensor:
     """logits: [T, L] fp32, starts/ends: [T] int32 -> [T, topk] int32 columns of the topk
     largest finite scores in [start, end), score descending, ties to the lower column, -1 padded.
@@ -306,7 +311,7 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: to
     selection = _Selection(group, width, k_pad, logits.device, split, block, num_warps)
     for r0 in range(0, num_rows, group):
         rows = slice(r0, min(r0 + group, num_rows))
-        selection.run(logits[rows], topk, width, out[rows], ranges=(starts[rows], ends[rows]))
+        selection.run(logits[rows], topk, width, out[rows], ranges=(starts[rows], ends[rows]), sort=sorted)
     return out
 
 
