@@ -184,3 +184,14 @@ def test_gemm_kernels_compile_for_hopper(launches):
     x_fp8, w_fp8, x_scale = x_fp8[:, :7000].contiguous(), w_fp8[:, :7000].contiguous(), x_scale[:, :55].contiguous()
     gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale[:, :55].contiguous(), torch.bfloat16)
     assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]
+
+
+def test_norm_kernel_compiles_for_hopper(launches):
+    """RMSNorm with and without the fused residual, at the widths of V3.2's four norms per layer."""
+    from flashdsa.runtime.norm.triton import rms_norm
+
+    for dim in (7168, 1536, 512):
+        x = torch.randn(2, dim).bfloat16()
+        rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, None)
+        rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, x)
+    assert compile_all(launches, specialize=True) == ["_rms_norm_kernel"]

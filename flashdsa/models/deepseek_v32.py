@@ -41,6 +41,7 @@ from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.kernels import sparse_mla_decode, sparse_mla_fwd
 from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.norm import rms_norm
 
 # Parameters kept in fp32 in production mode (as the checkpoint and transformers keep them).
 FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
@@ -53,14 +54,24 @@ FP8_EXEMPT = ("lm_head", "mlp.gate", "weights_proj", "kv_b_proj")
 
 
 class RMSNorm(nn.Module):
+    """``weight * normalize(x)`` over the last dim (``runtime.norm``: one kernel on a GPU; the
+    differentiable torch expression under autograd)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.add_norm(x)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normalize(x + residual), x + residual)``, the add fused into the norm's kernel."""
+        backend = "reference" if torch.is_grad_enabled() else None
+        rows = x.reshape(-1, x.shape[-1])
+        y, h = rms_norm(rows, self.weight, self.eps, None if residual is None else residual.reshape(rows.shape),
+                        backend=backend)
+        return y.view(*x.shape[:-1], y.shape[-1]), (x if h is None else h.view(x.shape))
 
 
 class MLA(nn.Module):
@@ -127,8 +138,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos_sin, meta: BatchMetadata, mla_pool: torch.Tensor, index_pool: torch.Tensor):
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, meta, mla_pool, index_pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), cos_sin, meta, mla_pool, index_pool)
+        x, h = self.post_attention_layernorm.add_norm(attn, h)  # h = h + attn
+        return h + self.mlp(x)
 
 
 class DeepseekV32Model(nn.Module):

@@ -1,0 +1,15 @@
+"""Reference RMSNorm (torch): the computation of Hugging Face's DeepSeek RMSNorm."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    h = x if residual is None else x + residual
+    hf = h.float()
+    y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y, (None if residual is None else h)
