@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashdsa.runtime.cache.layout import BLOCK_SIZE
 from flashdsa.runtime.parallel import steps
 from flashdsa.runtime.parallel.shard import ParallelConfig, Shard
 
@@ -53,6 +54,19 @@ def check_parallel(path: str | Path, parallel: ParallelConfig, device: str, mode
         quantization = "fp8"
     with torch.device("meta"):  # every split the model makes, checked on every rank's shapes
         DeepseekV32ForCausalLM(config, mode, quantization, Shard.planned(parallel, size - 1))
+    if torch.device(device).type == "cuda":
+        _check_memory(config, parallel, mode, quantization)
+
+
+def _check_memory(config, parallel: ParallelConfig, mode: str, quantization: Optional[str]) -> None:
+    """Log the memory plan of a rank; ValueError with its numbers if the weights cannot fit."""
+    from flashdsa.runtime.parallel.plan import format_plan, memory_plan, plan_problem
+
+    plans = memory_plan(config, parallel, torch.cuda.get_device_properties(0).total_memory, mode, quantization)
+    logger.info("memory plan per rank:\n%s", format_plan(plans[:1]))
+    problem = plan_problem(plans, BLOCK_SIZE)
+    if problem:
+        raise ValueError(f"the model does not fit: {problem}")
 
 
 def _free_port() -> int:
@@ -175,5 +189,6 @@ def load(path: str | Path, parallel: ParallelConfig = ParallelConfig(), device: 
          quantization: Optional[str] = None):
     """The model of checkpoint ``path``: in this process alone, or rank 0's part of a parallel one."""
     if parallel.tensor_parallel_size == 1 and "WORLD_SIZE" not in os.environ:
+        check_parallel(path, parallel, device, mode, quantization)
         return _load(path, Shard(), torch.device(device), mode, quantization)
     return load_parallel(path, parallel, device, mode, quantization)
