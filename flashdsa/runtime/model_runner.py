@@ -74,10 +74,13 @@ class ModelRunner:
 
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
-        decode = _is_decode(chunks)
+        return StepLogits(self.forward(input_ids, meta, _is_decode(chunks)), row_start, num_rows)
+
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False) -> torch.Tensor:
+        """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
         if self.leader is not None:
             steps.send(self.leader, (input_ids, meta, decode))
-        return StepLogits(self.execute(input_ids, meta, decode), row_start, num_rows)
+        return self.execute(input_ids, meta, decode)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool) -> torch.Tensor:
