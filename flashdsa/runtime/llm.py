@@ -74,6 +74,12 @@ class LLM:
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel model (also done at exit)."""
+        workers = getattr(self.engine.runner.model, "workers", None)
+        if workers is not None:
+            workers.stop()
+
     def generate(
         self,
         prompts: Union[Prompt, list[Prompt]],

@@ -134,7 +134,8 @@ class _Workers:
         os._exit(WORKER_DIED_EXIT)
 
     def stop(self) -> None:
-        """Tell the workers to stop (or terminate them if they do not listen), then wait for them."""
+        """Tell the workers to stop (or terminate them if they do not listen), wait for them and
+        leave the process group (a later model may start another)."""
         if self.stopping:
             return
         self.stopping = True
@@ -168,7 +169,7 @@ def load_parallel(path: str | Path, parallel: ParallelConfig, device: str = "cud
             steps.follow(model)
             dist.destroy_process_group()
             sys.exit(0)
-        atexit.register(_Workers([], shard).stop)
+        model.workers = _Workers([], shard)
         return model
     size = parallel.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -182,7 +183,9 @@ def load_parallel(path: str | Path, parallel: ParallelConfig, device: str = "cud
     workers = _Workers(processes)
     shard, dev = join_group(0, size, parallel, device_type, init_method)
     workers.shard = shard
-    return _load(path, shard, dev, mode, quantization)
+    model = _load(path, shard, dev, mode, quantization)
+    model.workers = workers  # model.workers.stop() ends the other ranks (also at exit)
+    return model
 
 
 def load(path: str | Path, parallel: ParallelConfig = ParallelConfig(), device: str = "cuda", mode: str = "production",
