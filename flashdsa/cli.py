@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "make-tiny": ("flashdsa.models.tiny_cli", "write a tiny random DeepSeek-V3.2 checkpoint (HF layout, with tokenizer)"),
     "check": ("flashdsa.check.cli", "compare flashdsa with transformers layer by layer on a checkpoint"),
     "generate": ("flashdsa.generate", "generate text from a prompt through the paged caches"),
+    "plan": ("flashdsa.runtime.parallel.plan_command", "per-rank memory plan of a checkpoint (config.json only, no GPU)"),
 }
 
 

@@ -20,6 +20,7 @@ from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.caches import MODES
 from flashdsa.models.chat_template import apply_chat_template
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.runtime.parallel.plan_command import add_parallel_arguments, parallel_config
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import BLOCK_SIZE
 
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--mode", choices=MODES, default="production", help="precision mode (default production)")
+    add_parallel_arguments(parser)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -90,15 +92,19 @@ def timings_line(prompt_tokens: int, prefill_s: float, output_tokens: int, decod
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from flashdsa.models.loader import load_model
+    from flashdsa.runtime.parallel.launcher import load
 
+    parallel = parallel_config(args, "generate")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
     except ValueError as exc:
         raise SystemExit(f"flashdsa generate: {exc}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = load_model(args.model, args.device, args.mode)
+    try:
+        model = load(args.model, parallel, args.device, args.mode)
+    except ValueError as exc:
+        raise SystemExit(f"flashdsa generate: {exc}")
     prompt = encode_prompt(tokenizer, args.prompt, args.chat)
     engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens)
 

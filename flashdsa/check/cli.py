@@ -9,7 +9,8 @@ import torch
 
 from flashdsa.check.layerwise import THRESHOLDS, compare, format_report, load_hf_reference, run_flashdsa, run_hf
 from flashdsa.models.caches import MODES
-from flashdsa.models.loader import load_model
+from flashdsa.runtime.parallel.launcher import load
+from flashdsa.runtime.parallel.plan_command import add_parallel_arguments, parallel_config
 from flashdsa.models.tiny_tokenizer import TRAINING_TEXT
 
 
@@ -18,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="reference", help="flashdsa precision mode (default reference)")
     parser.add_argument("--tokens", type=int, default=256, help="prompt length to compare on (default 256)")
     parser.add_argument("--device", default="cpu", help="torch device for both models (default cpu)")
+    add_parallel_arguments(parser)
 
 
 def prompt_tokens(path: Path, n: int) -> torch.Tensor:
@@ -35,9 +37,14 @@ def prompt_tokens(path: Path, n: int) -> torch.Tensor:
 def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise SystemExit("--tokens must be at least 1")
+    parallel = parallel_config(args, "check")
     ids = prompt_tokens(args.model, args.tokens).to(args.device)
     hf_run = run_hf(load_hf_reference(args.model, args.device), ids)
-    ours = run_flashdsa(load_model(args.model, args.device, args.mode), ids)
+    try:
+        model = load(args.model, parallel, args.device, args.mode)
+    except ValueError as exc:
+        raise SystemExit(f"flashdsa check: {exc}")
+    ours = run_flashdsa(model, ids.to(model.device))
     report = compare(hf_run, ours, args.mode)
     print(format_report(report))
     failures = report.failures(args.mode)

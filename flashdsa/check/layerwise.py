@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from flashdsa.models.batch import contiguous_block_tables, step_metadata
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.models.loader import read_tensors
+from flashdsa.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,9 @@ def run_flashdsa(model: DeepseekV32ForCausalLM, ids: torch.Tensor) -> Run:
     handles += [layer.self_attn.indexer.register_forward_hook(_record(run, "topk")) for layer in layers]
     handles += [layer.self_attn.indexer.topk.register_forward_hook(_record(run, "scores")) for layer in layers]
     table = contiguous_block_tables([len(ids)])
-    try:
-        caches = model.allocate_caches(int(table.max()) + 1)
-        run.logits = model(ids, step_metadata([0], [len(ids)], table, all_logits=True, device=ids.device), caches)
+    try:  # through a runner, so that under tensor parallelism every rank runs the step
+        runner = ModelRunner(model, int(table.max()) + 1, ids.device)
+        run.logits = runner.forward(ids.cpu(), step_metadata([0], [len(ids)], table, all_logits=True))
     finally:
         for h in handles:
             h.remove()

@@ -38,10 +38,12 @@ from flashdsa.models.linear import replace_linears
 from flashdsa.models.moe import MLP, MoE
 from flashdsa.models.rope import Rotary, rope_interleaved
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
-from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.kernels import sparse_mla_decode, sparse_mla_fwd
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.runtime.norm import rms_norm
+from flashdsa.runtime.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from flashdsa.runtime.parallel.shard import Shard
+from flashdsa.runtime.parallel.sharding import check_fp8_splits
 
 # Parameters kept in fp32 in production mode (as the checkpoint and transformers keep them).
 FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
@@ -75,13 +77,16 @@ class RMSNorm(nn.Module):
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention with the indexer's sparse selection; names follow the checkpoint."""
+    """Multi-head latent attention with the indexer's sparse selection; names follow the checkpoint.
 
-    def __init__(self, config: DeepseekV32Config):
+    Under tensor parallelism a rank holds ``n_heads = heads / size`` heads of q_b/kv_b/o_proj and
+    all-reduces o_proj's partial sums; the latent, its caches and the indexer are whole on every rank."""
+
+    def __init__(self, config: DeepseekV32Config, shard: Shard = Shard()):
         super().__init__()
         c = config
-        self.config = c
-        self.n_heads = c.num_attention_heads
+        self.config, self.shard = c, shard
+        self.n_heads = shard.split(c.num_attention_heads, "num_attention_heads")
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
@@ -111,7 +116,7 @@ class MLA(nn.Module):
         q = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
         o_lat = self._attend(q, mla_pool, slots)  # [T, H, 512]
         o = torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v_head_dim]
-        return self.o_proj(o.flatten(1))
+        return self.shard.all_reduce(self.o_proj(o.flatten(1)))
 
     def _attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Sparse attention of ``q: [T, H, d_qk]`` over the cache tokens at ``slots: [T, topk]``."""
@@ -125,15 +130,16 @@ class MLA(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV32Config, layer: int, fp8: bool = False, production: bool = True):
+    def __init__(self, config: DeepseekV32Config, layer: int, fp8: bool = False, production: bool = True,
+                 shard: Shard = Shard()):
         super().__init__()
-        self.self_attn = MLA(config)
+        self.self_attn = MLA(config, shard)
         if config.is_moe_layer(layer):
             # Stacked gate/up blocks need whole 128-row halves; narrower (tiny) experts stay float.
-            fp8_experts = fp8 and config.moe_intermediate_size % GROUP == 0
-            self.mlp = MoE(config, fp8_experts, quantize_activations=production, pow2_scales=config.pow2_act_scales)
+            self.mlp = MoE(config, fp8, quantize_activations=production, pow2_scales=config.pow2_act_scales,
+                           shard=shard)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,17 +150,20 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV32Model(nn.Module):
-    def __init__(self, config: DeepseekV32Config, fp8: bool = False, production: bool = True):
+    def __init__(self, config: DeepseekV32Config, fp8: bool = False, production: bool = True, shard: Shard = Shard()):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, fp8, production) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, fp8, production, shard)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
-    """The model; build it with :func:`flashdsa.models.loader.load_model`."""
+    """The model; build it with :func:`flashdsa.models.loader.load_model`. ``shard`` is this
+    rank's part under tensor/expert parallelism (``flashdsa.runtime.parallel``)."""
 
-    def __init__(self, config: DeepseekV32Config, mode: str = "production", quantization: str | None = None):
+    def __init__(self, config: DeepseekV32Config, mode: str = "production", quantization: str | None = None,
+                 shard: Shard = Shard()):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -166,14 +175,15 @@ class DeepseekV32ForCausalLM(nn.Module):
                 f"production mode needs (kv_lora_rank, qk_rope_head_dim, index_head_dim) = {PRODUCTION_WIDTHS} "
                 f"(the FP8 cache layouts), got {widths}: use mode='reference' for this checkpoint"
             )
-        self.config, self.mode, self.quantization = config, mode, quantization
+        self.config, self.mode, self.quantization, self.shard = config, mode, quantization, shard
         fp8, production = quantization == "fp8", mode == "production"
-        self.model = DeepseekV32Model(config, fp8, production)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DeepseekV32Model(config, fp8, production, shard)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, shard)
         self.rotary = Rotary(config)
         if fp8:
             names = {n for n, m in self.named_modules() if isinstance(m, nn.Linear) and not n.endswith(FP8_EXEMPT)}
             replace_linears(self, names, production, config.pow2_act_scales)
+            check_fp8_splits(self, shard)
 
     def param_dtype(self, name: str, dtype: torch.dtype = torch.float32) -> torch.dtype:
         """Storage dtype of parameter/buffer ``name`` (now ``dtype``) in this mode: e4m3 weights and

@@ -5,6 +5,10 @@ file at a time. Tensor names are the checkpoint's own. FP8 e4m3 weights come wit
 ``<name>_scale_inv`` fp32 tensor holding one scale per 128x128 block; they stay e4m3 in memory
 (w = e4m3 * scale per GEMM), except the few layers ``FP8_EXEMPT`` keeps in floating point. The
 multi-token-prediction layers stored after the main stack are skipped.
+
+Under tensor/expert parallelism each rank reads only its own slices (``safe_open(...).get_slice``,
+see ``flashdsa.runtime.parallel.sharding``), an FP8 weight together with the rows/columns of its
+block scales, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_weight
+from flashdsa.runtime.parallel.shard import Shard
+from flashdsa.runtime.parallel.sharding import Placement, placement
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +60,33 @@ def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int
     return w.float() * scale
 
 
-def read_raw_tensors(path: str | Path, config: DeepseekV32Config):
+def _along(dim: int, rows: slice) -> tuple[slice, slice]:
+    """The index of ``rows`` along dimension ``dim`` of a 2-D tensor."""
+    return (rows, slice(None)) if dim == 0 else (slice(None), rows)
+
+
+def _read_slice(f, name: str, at: Placement, scale_of=None, block: tuple[int, int] = (128, 128)):
+    """``(tensor, scale or None)``: the part ``at`` of tensor ``name`` of the open file ``f``. An e4m3
+    weight (``scale_of(index)`` reads its scale blocks) is cut on whole blocks with its scales;
+    a cut inside a block reads the blocks around it, dequantized, then trimmed (float, no scale)."""
+    part = f.get_slice(name)
+    if at.dim is None:
+        return part[:], None if scale_of is None else scale_of((slice(None), slice(None)))
+    b = block[at.dim]
+    lo, hi = at.start // b * b, min(-(-at.stop // b) * b, part.get_shape()[at.dim])
+    inner = _along(at.dim, slice(at.start - lo, at.stop - lo))
+    if scale_of is None:
+        return part[_along(at.dim, slice(at.start, at.stop))], None
+    t, scale = part[_along(at.dim, slice(lo, hi))], scale_of(_along(at.dim, slice(lo // b, -(-hi // b))))
+    if (lo, hi) == (at.start, at.stop):
+        return t, scale
+    return dequantize_blocks(t, scale, block)[inner], None
+
+
+def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard = Shard()):
     """Yield ``(name, tensor, scale_inv or None)`` for every main-model weight of the checkpoint, as
-    stored (an e4m3 weight's scale may sit in another shard); MTP layers skipped (logged once)."""
+    stored (an e4m3 weight's scale may sit in another shard); MTP layers skipped (logged once).
+    With a ``shard``, only this rank's part of each tensor is read, under the model's name for it."""
     path = Path(path)
     files = checkpoint_files(path)
     where = {}  # tensor name -> file holding it
@@ -64,7 +94,8 @@ def read_raw_tensors(path: str | Path, config: DeepseekV32Config):
         with safe_open(file, framework="pt") as f:
             where.update((name, file) for name in f.keys())
     skipped = 0
-    for file in tqdm(files, desc="loading shards", unit="file", leave=False):
+    block = config.weight_block_size or (128, 128)
+    for file in tqdm(files, desc="loading shards", unit="file", leave=False, disable=shard.rank != 0):
         with safe_open(file, framework="pt") as f:
             for name in sorted(f.keys()):
                 layer = _LAYER.match(name)
@@ -75,15 +106,26 @@ def read_raw_tensors(path: str | Path, config: DeepseekV32Config):
                     if name[: -len(SCALE_SUFFIX)] not in where:
                         raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
                     continue
-                t, scale = f.get_tensor(name), None
-                if t.dtype == E4M3:
+                at = placement(name, f.get_slice(name).get_shape(), shard, config.n_routed_experts)
+                if at is None:  # another rank's expert
+                    continue
+                scale_of = None
+                if f.get_slice(name).get_dtype() == "F8_E4M3":
                     if name + SCALE_SUFFIX not in where:
                         raise ValueError(f"{file.name}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
-                    with safe_open(where[name + SCALE_SUFFIX], framework="pt") as g:
-                        scale = g.get_tensor(name + SCALE_SUFFIX)
-                yield name, t, scale
+                    scale_of = _scale_reader(where[name + SCALE_SUFFIX], name + SCALE_SUFFIX)
+                t, scale = _read_slice(f, name, at, scale_of, block)
+                yield at.name, t, scale
     if skipped:
         logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not used for generation)", skipped)
+
+
+def _scale_reader(file: Path, name: str):
+    """A function reading ``index`` (a pair of slices) of the scale tensor ``name`` in ``file``."""
+    def read(index: tuple[slice, slice]) -> torch.Tensor:
+        with safe_open(file, framework="pt") as g:
+            return g.get_slice(name)[index]
+    return read
 
 
 def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
@@ -122,13 +164,15 @@ def _copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.T
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", mode: str = "production", quantization: str | None = None
+    path: str | Path, device: str | torch.device = "cpu", mode: str = "production", quantization: str | None = None,
+    shard: Shard = Shard(),
 ) -> DeepseekV32ForCausalLM:
     """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``.
 
     FP8 checkpoints keep their e4m3 weights and scales (one byte a weight in memory); a bf16
     checkpoint is quantized to them at load with ``quantization="fp8"``. The weights stream one
     tensor at a time into the model's own storage on ``device``, so no second copy is ever held.
+    With a ``shard`` (tensor/expert parallelism) only this rank's part is built and read.
     Raises ValueError naming every missing, unexpected or mis-shaped tensor.
     """
     path = Path(path)
@@ -136,7 +180,7 @@ def load_model(
     if quantization is None and checkpoint_is_fp8(path):
         quantization = "fp8"
     with torch.device("meta"):
-        model = DeepseekV32ForCausalLM(config, mode, quantization)
+        model = DeepseekV32ForCausalLM(config, mode, quantization, shard)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t.data = t.data.to(model.param_dtype(name, t.dtype))
     model.to_empty(device=device)
@@ -144,7 +188,7 @@ def load_model(
     dests = model.state_dict(keep_vars=True)  # checkpoint names -> views of the model's storage
     expected = {n for n in dests if not n.endswith(SCALE_SUFFIX)}
     loaded, unexpected, misshaped = set(), [], []
-    for name, t, scale in read_raw_tensors(path, config):
+    for name, t, scale in read_raw_tensors(path, config, shard):
         if name not in expected:
             unexpected.append(name)
         elif t.shape != dests[name].shape:

@@ -23,21 +23,26 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.moe import fused_moe, select_experts
+from flashdsa.runtime.parallel.shard import Shard
 
 SCALE_SUFFIX = "_scale_inv"
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); ``x: [T, hidden]``."""
+    """down(silu(gate(x)) * up(x)); ``x: [T, hidden]``. Under tensor parallelism each rank holds
+    ``intermediate / size`` of the width and the partial outputs are summed over the ranks (unless
+    ``reduce=False``: the MoE sums its routed and shared parts in one collective)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, shard: Shard = Shard(), reduce: bool = True):
         super().__init__()
+        intermediate = shard.split(intermediate, "the MLP intermediate size")
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.shard = shard if reduce else Shard()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.shard.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -128,21 +133,37 @@ class MoE(nn.Module):
     """Routed experts plus the shared expert; ``x: [T, hidden]`` -> ``[T, hidden]``.
 
     Graph-capturable in production mode: no host sync. With autograd on (training) or in
-    reference mode the experts run on the reference backend (differentiable torch code)."""
+    reference mode the experts run on the reference backend (differentiable torch code).
+
+    Under tensor parallelism every rank routes all tokens (the router is replicated) and holds
+    each expert's ``moe_intermediate_size / size`` slice, or, with expert parallelism, whole
+    experts ``[first_expert, first_expert + E / size)``: ids of other ranks' experts fall outside
+    the local stack and ``fused_moe`` skips them. Routed and shared partial sums are added and
+    reduced over the ranks in one all-reduce."""
 
     def __init__(self, config: DeepseekV32Config, fp8_experts: bool = False, quantize_activations: bool = True,
-                 pow2_scales: bool = False):
+                 pow2_scales: bool = False, shard: Shard = Shard()):
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, fp8_experts)
-        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
-        self.quantize_activations, self.pow2_scales = quantize_activations, pow2_scales
+        experts, inter = config.n_routed_experts, config.moe_intermediate_size
+        self.first_expert = 0
+        if shard.expert_parallel:
+            self.first_expert, stop = shard.range(experts, "n_routed_experts")
+            experts = stop - self.first_expert
+        else:
+            inter = shard.split(inter, "moe_intermediate_size")
+        self.experts = Experts(experts, config.hidden_size, inter, fp8_experts and inter % GROUP == 0)
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, shard,
+                                  reduce=False)
+        self.quantize_activations, self.pow2_scales, self.shard = quantize_activations, pow2_scales, shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)  # [T, k] each
+        if self.first_expert:
+            experts = experts - self.first_expert  # other ranks' experts fall outside [0, local E)
         w13_scale, w2_scale = self.experts.scales()
         exact = torch.is_grad_enabled() or not self.quantize_activations
         routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts, w13_scale,
                            w2_scale, pow2_scales=self.pow2_scales, quantize_activations=not exact,
                            backend="reference" if exact else None)
-        return routed + self.shared_experts(x)
+        return self.shard.all_reduce(routed + self.shared_experts(x))

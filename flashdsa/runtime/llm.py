@@ -46,7 +46,9 @@ class GenerateResult:
 class LLM:
     """A model and its engine. ``model`` is a checkpoint directory or a loaded model (then
     pass its tokenizer); ``quantization="fp8"`` stores a bf16 checkpoint's linear layers as FP8;
-    engine options (max_num_seqs, num_blocks, enforce_eager, ...) go to EngineConfig."""
+    ``tensor_parallel_size=N`` runs it on N ranks (one process each; this one is rank 0), with
+    the routed experts split over them under ``enable_expert_parallel``; engine options
+    (max_num_seqs, num_blocks, enforce_eager, ...) go to EngineConfig."""
 
     def __init__(
         self,
@@ -56,17 +58,27 @@ class LLM:
         device: str = "cpu",
         mode: str = "production",
         quantization: Optional[str] = None,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
         **engine_options,
     ) -> None:
         if isinstance(model, (str, Path)):
             from transformers import AutoTokenizer
 
-            from flashdsa.models.loader import load_model
+            from flashdsa.runtime.parallel.launcher import load
+            from flashdsa.runtime.parallel.shard import ParallelConfig
 
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
-            model = load_model(model, device=device, mode=mode, quantization=quantization)
+            parallel = ParallelConfig(tensor_parallel_size, enable_expert_parallel)
+            model = load(model, parallel, device, mode, quantization)
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel model (also done at exit)."""
+        workers = getattr(self.engine.runner.model, "workers", None)
+        if workers is not None:
+            workers.stop()
 
     def generate(
         self,

@@ -1,7 +1,9 @@
 """Turns a scheduled step into model inputs (token ids + BatchMetadata) and runs the model.
 
 Decode steps replay CUDA graphs (``cuda_graphs.DecodeGraphs``) on CUDA in production mode unless
-``enforce_eager``; prefill and mixed steps, and reference mode, run eagerly."""
+``enforce_eager``; prefill and mixed steps, and reference mode, run eagerly. Under tensor
+parallelism the runner of rank 0 sends each step's inputs to the other ranks' runners
+(``runtime.parallel.steps``), which execute the same step (the same graph) on their shard."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.cuda_graphs import DecodeGraphs
 from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.parallel import steps
 from flashdsa.runtime.scheduler import ScheduledChunk
 
 
@@ -59,20 +62,34 @@ class ModelRunner:
                  max_model_len: int = 0, enforce_eager: bool = True) -> None:
         self.model = model
         self.device = device
+        shard = getattr(model, "shard", None)
+        self.leader = shard if shard is not None and shard.size > 1 and shard.rank == 0 else None
+        if self.leader is not None:
+            steps.send(self.leader, steps.RunnerSpec(num_blocks, max_num_seqs, max_model_len, enforce_eager))
         self.caches = model.allocate_caches(num_blocks)
         self.graphs = None
         if not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production":
             self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device)
             self.graphs.capture()
 
-    @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
-        if self.graphs is not None and _is_decode(chunks) and self.graphs.can_run(len(chunks), meta.max_context_len):
-            return StepLogits(self.graphs.replay(input_ids, meta), row_start, num_rows)
+        return StepLogits(self.forward(input_ids, meta, _is_decode(chunks)), row_start, num_rows)
+
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False) -> torch.Tensor:
+        """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
+        if self.leader is not None:
+            steps.send(self.leader, (input_ids, meta, decode))
+        return self.execute(input_ids, meta, decode)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool) -> torch.Tensor:
+        """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits)."""
+        if self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len):
+            return self.graphs.replay(input_ids, meta)
         with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
             logits = self.model(input_ids.to(self.device), meta.to(self.device), self.caches)
-        return StepLogits(logits.float(), row_start, num_rows)
+        return logits.float()
 
 
 def _is_decode(chunks: list[ScheduledChunk]) -> bool:

@@ -12,6 +12,7 @@ import torch
 from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.runtime.async_engine import AsyncLLM
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.runtime.parallel.plan_command import add_parallel_arguments, parallel_config
 from flashdsa.runtime.sampling_params import generation_defaults
 from flashdsa.serve.app import ServerState, build_app
 from flashdsa.serve.limits import RequestLimits
@@ -70,16 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto",
                         help="sampling defaults: 'auto' reads the model's generation_config.json, 'none' ignores it, "
                              "or a directory holding one")
+    add_parallel_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from flashdsa.models.loader import load_model
+    from flashdsa.runtime.parallel.launcher import load
 
+    parallel = parallel_config(args, "serve")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = load_model(args.model, device=args.device, mode=args.mode)
+    try:
+        model = load(args.model, parallel, args.device, args.mode)
+    except ValueError as exc:
+        raise SystemExit(f"flashdsa serve: {exc}")
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
