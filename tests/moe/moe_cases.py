@@ -101,12 +101,14 @@ def assert_moe_close(got: torch.Tensor, ref: torch.Tensor, fp8: bool) -> None:
     the intermediate allowed), and cosine distance tight; NaN (an unwritten element) never passes.
     Both sides round the intermediate and each of the top_k pair outputs to bf16, but from fp32
     sums taken in another order: each rounding may land one ulp apart, so an output may differ by
-    up to ~top_k ulps of its pairs' magnitude (seen on an H100: 2 ulps at |out| ~ 2)."""
+    up to ~top_k ulps of its pairs' magnitude (seen on an H100: 2 ulps at |out| ~ 2). With FP8 an
+    e4m3 flip of one intermediate value moves a product by 2^-3 of it: 11 of 14.7M outputs at
+    T=2048 were 1.5x past an atol of 2^-5 rms on an H100, so FP8 gets 2^-4."""
     assert got.shape == ref.shape and got.dtype == ref.dtype, f"{got.dtype} {list(got.shape)} vs {list(ref.shape)}"
     got, ref = got.double().cpu(), ref.double().cpu()
     assert torch.isfinite(got).all(), f"seed {SEED}: {int((~torch.isfinite(got)).sum())} non-finite elements"
     rms = ref.square().mean().sqrt().item() if ref.numel() else 0.0
-    atol, rtol, cos_tol = (2**-5 * rms, 2**-6, 1e-4) if fp8 else (2**-6 * rms, 2**-6, 1e-5)
+    atol, rtol, cos_tol = (2**-4 * rms, 2**-6, 1e-4) if fp8 else (2**-6 * rms, 2**-6, 1e-5)
     err = (got - ref).abs()
     bad = err > atol + rtol * ref.abs()
     assert not bad.any(), (f"seed {SEED}: {int(bad.sum())}/{bad.numel()} elements off, max err {err.max().item():.3g} "

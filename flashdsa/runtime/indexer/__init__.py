@@ -210,8 +210,9 @@ def indexer_topk(
     topk: int >= 1. starts, ends: [T] int32 ranges (default [0, L)); 0 <= start <= end <= L.
     Returns [T, topk] int32: the columns of the topk largest finite scores inside [start, end),
     by descending score, ties to the lower column, padded with -1. ``sorted=False`` returns the
-    same set in any order (the valid ones first), for callers that only gather the positions
-    (sparse attention): the Triton backend then skips its final sort.
+    same set in an unspecified but deterministic order (the valid ones first), for callers that
+    only gather the positions (sparse attention): the Triton backend then sorts 32-bit positions
+    instead of 64-bit (score, position) keys.
     """
     check_tensor("logits", logits, torch.float32, [None, None], "fp32 [T, L]")
     _check_int("topk", topk, 1)

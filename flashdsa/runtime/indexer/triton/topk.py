@@ -197,7 +197,7 @@ def _finish_kernel(vals_ptr, stride_v, scratch_ptr, topk, sel_ptr, cand_ptr, str
                    PREFIX: tl.constexpr, VALUES: tl.constexpr, SORT: tl.constexpr, K_PAD: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Pass 4, one program per row: the needed candidates join the selected list, which is sorted
-    (unless not SORT: list order) and written as positions (and scores). With PREFIX, columns below ``prefix_len`` hold a
+    (by position when not SORT) and written as positions (and scores). With PREFIX, columns below ``prefix_len`` hold a
     running top-k whose positions are ``prefix_pos``; later columns are positions ``pos_base + col
     - prefix_len``."""
     row = tl.program_id(0).to(tl.int64)
@@ -225,8 +225,11 @@ def _finish_kernel(vals_ptr, stride_v, scratch_ptr, topk, sel_ptr, cand_ptr, str
     i = tl.arange(0, K_PAD)
     chosen = i < num_sel
     cols = tl.load(sel_ptr + i, mask=chosen, other=0)
-    if not SORT:  # positions only, in list order (PREFIX and VALUES need the sort)
-        tl.store(out_idx_ptr + row * stride_o + i, tl.where(chosen, cols, -1), mask=i < topk)
+    if not SORT:  # positions only, ascending (PREFIX and VALUES need the score order)
+        # The list's order comes from atomics: sorting the 32-bit positions makes the output, and
+        # so the attention's summation order, deterministic at half the cost of the 64-bit key sort.
+        ascending = tl.sort(tl.where(chosen, cols, 0x7FFFFFFF), 0)
+        tl.store(out_idx_ptr + row * stride_o + i, tl.where(i < num_sel, ascending, -1), mask=i < topk)
         return
     # sort the selected by (key desc, position asc) and write positions (and scores)
     key = tl.where(chosen, _order_key(tl.load(row_ptr + cols, mask=chosen, other=0.0)), 0)
