@@ -195,3 +195,16 @@ def test_norm_kernel_compiles_for_hopper(launches):
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, None)
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, x)
     assert compile_all(launches, specialize=True) == ["_rms_norm_kernel"]
+
+
+def test_rope_kernel_compiles_for_hopper(launches):
+    """Both rotations at V3.2's shapes: MLA's q_pe [T, 128, 64] (strided views) with k_pe, the
+    indexer's q [T, 64, 128] with k, in bf16."""
+    from flashdsa.runtime.rope.triton import rope
+
+    inv_freq = torch.rand(32)
+    for tokens, heads, dim, interleaved in ((1, 128, 64, True), (7, 64, 128, False)):
+        q = torch.randn(tokens, heads, 128 + dim).bfloat16()[:, :, 128:]
+        k = torch.randn(tokens, 512 + dim).bfloat16()[:, 512:]
+        rope.apply_rope_(q, k, torch.arange(tokens), inv_freq, 1.0, interleaved)
+    assert compile_all(launches, specialize=True) == ["_rope_kernel"]
