@@ -208,3 +208,13 @@ def test_rope_kernel_compiles_for_hopper(launches):
         k = torch.randn(tokens, 512 + dim).bfloat16()[:, 512:]
         rope.apply_rope_(q, k, torch.arange(tokens), inv_freq, 1.0, interleaved)
     assert compile_all(launches, specialize=True) == ["_rope_kernel"]
+
+
+def test_routing_kernel_compiles_for_hopper(launches):
+    """V3.2's routing (256 experts, 8 groups keep 4, top-8) and ungrouped routing."""
+    from flashdsa.runtime.moe.triton import routing
+
+    logits, bias = torch.randn(3, 256), torch.randn(256)
+    routing.select_experts(logits, bias, 8, 8, 4, True, 2.5)
+    routing.select_experts(logits, bias, 6, 1, 1, False, 1.0)
+    assert compile_all(launches, specialize=True) == ["_route_kernel"]
