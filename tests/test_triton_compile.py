@@ -218,3 +218,13 @@ def test_routing_kernel_compiles_for_hopper(launches):
     routing.select_experts(logits, bias, 8, 8, 4, True, 2.5)
     routing.select_experts(logits, bias, 6, 1, 1, False, 1.0)
     assert compile_all(launches, specialize=True) == ["_route_kernel"]
+
+
+def test_slots_kernel_compiles_for_hopper(launches):
+    """The decode shape (top-2048 positions a token, int32) and int64 positions."""
+    from flashdsa.runtime.cache.triton import slots
+
+    tables, seq_ids = torch.zeros(2, 512, dtype=torch.int32), torch.tensor([0, 1, 1])
+    for dtype in (torch.int32, torch.int64):
+        slots.positions_to_slots(torch.zeros(3, 2048, dtype=dtype), seq_ids, tables, 64)
+    assert compile_all(launches, specialize=True) == ["_slots_kernel"]
