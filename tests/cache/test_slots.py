@@ -1,14 +1,11 @@
 """positions_to_slots: both backends against a per-position restatement (the Triton kernel in the
 interpreter on CPU and on the GPU), on positions that are -1, past the table or on -1 blocks."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from flashdsa.runtime.cache import positions_to_slots
+from flashdsa.testing import kernel_test_main, run_under_interpreter
 
 # (tokens, sequences, positions a token, max blocks, block size)
 CASES = [(1, 1, 2048, 40, 64), (6, 3, 2048, 5, 64), (5, 2, 100, 3, 16), (3, 3, 7, 1, 4), (0, 1, 64, 2, 64)]
@@ -61,11 +58,13 @@ def test_bad_arguments_name_themselves(bad, message):
 
 
 def test_triton_kernel_matches_in_the_interpreter():
-    code = "from tests.cache.test_slots import check_backend; check_backend('cpu', 'triton')"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    run_under_interpreter(__file__, 0)
 
 
 @pytest.mark.gpu
 def test_triton_kernel_matches_on_gpu():
     check_backend("cuda", "triton")
+
+
+if __name__ == "__main__":
+    kernel_test_main(lambda: check_backend("cpu", "triton"), lambda: check_backend("cuda", "triton"))

@@ -3,15 +3,12 @@ DeepSeek-V3's group-limited routing; the triton kernel runs under TRITON_INTERPR
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from flashdsa.runtime.moe import select_experts
+from flashdsa.testing import kernel_test_main, run_under_interpreter
 from moe_cases import SEED, generator
 
 
@@ -85,11 +82,7 @@ def triton_cases() -> None:
 
 
 def test_triton_routing_under_interpreter():
-    code = f"import sys; sys.path.insert(0, 'tests/moe'); import moe_cases; moe_cases.SEED = {SEED}; " \
-           "from test_routing import triton_cases; triton_cases()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.getcwd(), capture_output=True, text=True)
-    assert run.returncode == 0, f"seed {SEED}\n{run.stderr[-4000:]}"
+    run_under_interpreter(__file__, SEED)
 
 
 def test_weights_without_normalization_are_scaled_scores():
@@ -150,3 +143,7 @@ def test_bad_arguments_name_themselves(change, message):
     with pytest.raises(ValueError) as e:
         select_experts(**args)
     assert message in str(e.value)
+
+
+if __name__ == "__main__":
+    kernel_test_main(triton_cases, lambda: test_triton_routing_equals_reference_on_gpu(128))

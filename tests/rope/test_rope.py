@@ -1,14 +1,11 @@
 """apply_rope_: the Triton kernel (interpreter on CPU, GPU) against the models' torch expressions."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from flashdsa.runtime.rope import apply_rope_
 from flashdsa.runtime.rope.reference import cos_sin, rope_interleaved, rope_rotate_half
+from flashdsa.testing import kernel_test_main, run_under_interpreter
 
 # (tokens, heads, head dim, rotated dims): MLA's q_pe/k_pe, the indexer's q/k, corner sizes
 CASES = [(1, 128, 64, 64), (3, 64, 128, 64), (5, 16, 64, 64), (2, 3, 24, 16), (0, 4, 64, 64), (4, 1, 8, 2)]
@@ -78,9 +75,7 @@ def test_bad_arguments_name_themselves(bad, message):
 
 
 def test_triton_kernel_matches_reference_in_the_interpreter():
-    code = "from tests.rope.test_rope import check_against_reference as c; import torch; c('cpu', torch.float32, False)"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=os.getcwd())
+    run_under_interpreter(__file__, 0)
 
 
 @pytest.mark.gpu
@@ -92,3 +87,8 @@ def test_triton_kernel_equals_reference_bit_for_bit_on_gpu(dtype):
 @pytest.mark.gpu
 def test_triton_kernel_matches_fp32_reference_on_gpu():
     check_against_reference("cuda", torch.float32, exact=False)  # fp32: the GPU may fuse a*c - b*s into an FMA
+
+
+if __name__ == "__main__":
+    kernel_test_main(lambda: check_against_reference("cpu", torch.float32, exact=False),
+                     lambda: check_against_reference("cuda", torch.bfloat16, exact=True))
