@@ -195,3 +195,36 @@ def test_norm_kernel_compiles_for_hopper(launches):
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, None)
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, x)
     assert compile_all(launches, specialize=True) == ["_rms_norm_kernel"]
+
+
+def test_rope_kernel_compiles_for_hopper(launches):
+    """Both rotations at V3.2's shapes: MLA's q_pe [T, 128, 64] (strided views) with k_pe, the
+    indexer's q [T, 64, 128] with k, in bf16."""
+    from flashdsa.runtime.rope.triton import rope
+
+    inv_freq = torch.rand(32)
+    for tokens, heads, dim, interleaved in ((1, 128, 64, True), (7, 64, 128, False)):
+        q = torch.randn(tokens, heads, 128 + dim).bfloat16()[:, :, 128:]
+        k = torch.randn(tokens, 512 + dim).bfloat16()[:, 512:]
+        rope.apply_rope_(q, k, torch.arange(tokens), inv_freq, 1.0, interleaved)
+    assert compile_all(launches, specialize=True) == ["_rope_kernel"]
+
+
+def test_routing_kernel_compiles_for_hopper(launches):
+    """V3.2's routing (256 experts, 8 groups keep 4, top-8) and ungrouped routing."""
+    from flashdsa.runtime.moe.triton import routing
+
+    logits, bias = torch.randn(3, 256), torch.randn(256)
+    routing.select_experts(logits, bias, 8, 8, 4, True, 2.5)
+    routing.select_experts(logits, bias, 6, 1, 1, False, 1.0)
+    assert compile_all(launches, specialize=True) == ["_route_kernel"]
+
+
+def test_slots_kernel_compiles_for_hopper(launches):
+    """The decode shape (top-2048 positions a token, int32) and int64 positions."""
+    from flashdsa.runtime.cache.triton import slots
+
+    tables, seq_ids = torch.zeros(2, 512, dtype=torch.int32), torch.tensor([0, 1, 1])
+    for dtype in (torch.int32, torch.int64):
+        slots.positions_to_slots(torch.zeros(3, 2048, dtype=dtype), seq_ids, tables, 64)
+    assert compile_all(launches, specialize=True) == ["_slots_kernel"]

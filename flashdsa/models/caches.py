@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.runtime.cache import positions_to_slots as cache_positions_to_slots
 from flashdsa.runtime.cache import write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES, indexer_block_views
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
@@ -97,8 +98,4 @@ def gather_fp8_keys(pool: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Map per-token cache positions ``[T, k]`` (-1 = none) to slot ids ``[T, k]`` int32 (-1 kept)."""
-    table = meta.block_tables.long()[meta.seq_ids]  # [T, max_blocks]
-    pos = positions.long().clamp_min(0)
-    block = table.gather(1, (pos // block_size).clamp_max(table.shape[1] - 1))
-    slots = block * block_size + pos % block_size
-    return torch.where((positions >= 0) & (block >= 0), slots, -1).to(torch.int32)
+    return cache_positions_to_slots(positions, meta.seq_ids, meta.block_tables, block_size)

@@ -36,7 +36,7 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.indexer import Indexer
 from flashdsa.models.linear import replace_linears
 from flashdsa.models.moe import MLP, MoE
-from flashdsa.models.rope import Rotary, rope_interleaved
+from flashdsa.models.rope import RopeAt, Rotary
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
 from flashdsa.runtime.kernels import sparse_mla_decode, sparse_mla_fwd
 from flashdsa.runtime.metadata import BatchMetadata
@@ -96,7 +96,8 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.indexer = Indexer(c)
 
-    def forward(self, x: torch.Tensor, cos_sin, meta: BatchMetadata, mla_pool: torch.Tensor, index_pool: torch.Tensor):
+    def forward(self, x: torch.Tensor, rope: RopeAt, meta: BatchMetadata, mla_pool: torch.Tensor,
+                index_pool: torch.Tensor):
         """x: [T, hidden] -> [T, hidden]; writes this step's tokens into both pools first."""
         c, T, H = self.config, x.shape[0], self.n_heads
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
@@ -104,10 +105,10 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)  # [T, H, 128], [T, H, 64]
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, 512]
-        q_pe, k_pe = rope_interleaved(q_pe, *cos_sin), rope_interleaved(k_pe, *cos_sin)  # [T, H, 64], [T, 64]
+        q_pe, k_pe = rope(q_pe, k_pe, interleaved=True)  # [T, H, 64], [T, 64]
         store_latent(mla_pool, c_kv, k_pe, meta.slot_mapping)
 
-        selected = self.indexer(x, q_resid, cos_sin, meta, index_pool)  # [T, topk] positions
+        selected = self.indexer(x, q_resid, rope, meta, index_pool)  # [T, topk] positions
         slots = positions_to_slots(selected, meta, mla_pool.shape[1])  # [T, topk] slot ids
 
         w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
@@ -143,8 +144,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos_sin, meta: BatchMetadata, mla_pool: torch.Tensor, index_pool: torch.Tensor):
-        attn = self.self_attn(self.input_layernorm(h), cos_sin, meta, mla_pool, index_pool)
+    def forward(self, h: torch.Tensor, rope: RopeAt, meta: BatchMetadata, mla_pool: torch.Tensor,
+                index_pool: torch.Tensor):
+        attn = self.self_attn(self.input_layernorm(h), rope, meta, mla_pool, index_pool)
         x, h = self.post_attention_layernorm.add_norm(attn, h)  # h = h + attn
         return h + self.mlp(x)
 
@@ -207,9 +209,9 @@ class DeepseekV32ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: ModelCaches) -> torch.Tensor:
         """input_ids: [T] int64 -> logits [len(meta.logits_indices), vocab] fp32."""
-        cos_sin = self.rotary.cos_sin(meta.positions)  # [T, rope / 2] each
+        rope = self.rotary.at(meta.positions, fused=self.mode == "production")  # one kernel a rotation
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos_sin, meta, caches.mla[i], caches.indexer[i])
+            h = layer(h, rope, meta, caches.mla[i], caches.indexer[i])
         h = self.model.norm(h[meta.logits_indices])
         return self.lm_head(h).float()

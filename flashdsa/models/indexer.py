@@ -21,7 +21,7 @@ from torch import nn
 
 from flashdsa.models.caches import gather_fp8_keys, gather_rows, store_index_key
 from flashdsa.models.config import DeepseekV32Config
-from flashdsa.models.rope import rope_rotate_half
+from flashdsa.models.rope import RopeAt
 from flashdsa.runtime.indexer import (
     hadamard_transform,
     indexer_fused_topk,
@@ -54,7 +54,6 @@ class Indexer(nn.Module):
     def __init__(self, config: DeepseekV32Config):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.rope_dim = config.qk_rope_head_dim
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -65,32 +64,27 @@ class Indexer(nn.Module):
         self,
         x: torch.Tensor,
         q_resid: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeAt,
         meta: BatchMetadata,
         pool: torch.Tensor,
     ) -> torch.Tensor:
         """x: [T, hidden], q_resid: [T, q_lora_rank] -> selected positions [T, index_topk] int32 (-1 pad).
 
         Writes this step's keys into ``pool`` (the layer's indexer cache) first."""
-        q, k, w = self.project(x, q_resid, cos_sin)
+        q, k, w = self.project(x, q_resid, rope)
         store_index_key(pool, k, meta.slot_mapping)
         if pool.dtype == torch.uint8:
             return self._fp8_select(q, w, meta, pool)
         return self.topk(self._exact_logits(q, w, meta, pool))  # [T, topk]
 
-    def project(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor,
+                rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, H_I, D]``, keys ``[T, D]`` (both RoPE'd) and head weights ``[T, H_I]`` fp32
         (``H_I^-0.5`` folded in) of x: [T, hidden], q_resid: [T, q_lora_rank]; shared with training."""
-        q = self._rope(self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim), cos_sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos_sin)
+        q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
+        q, k = rope(q, self.k_norm(self.wk(x)), interleaved=False)  # the first qk_rope_head_dim dims rotated
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         return q, k, w
-
-    def _rope(self, t: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([rope_rotate_half(rot, *cos_sin), rest], dim=-1)
 
     def _exact_logits(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
         """fp32 scores, no Hadamard or FP8 (Hugging Face's computation): ``[T, max_context]``."""

@@ -46,7 +46,8 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Group-limited top-k over sigmoid scores; returns (weights [T, k] fp32, experts [T, k] int32)."""
+    """Group-limited top-k over sigmoid scores; returns (weights [T, k] fp32, experts [T, k] int32).
+    ``backend``: as ``select_experts`` takes it (None: one Triton kernel on a GPU)."""
 
     def __init__(self, config: DeepseekV32Config):
         super().__init__()
@@ -54,11 +55,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.empty(config.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         logits = F.linear(x.float(), self.weight.float())  # [T, E], routing runs in fp32
         return select_experts(logits, self.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group,
-                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+                              c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, backend=backend)
 
 
 def expert_slices(num_experts: int, intermediate: int) -> dict[str, tuple[str, int, slice]]:
@@ -158,11 +159,11 @@ class MoE(nn.Module):
         self.quantize_activations, self.pow2_scales, self.shard = quantize_activations, pow2_scales, shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x)  # [T, k] each
+        exact = torch.is_grad_enabled() or not self.quantize_activations  # training or reference mode: torch
+        weights, experts = self.gate(x, backend="reference" if exact else None)  # [T, k] each
         if self.first_expert:
             experts = experts - self.first_expert  # other ranks' experts fall outside [0, local E)
         w13_scale, w2_scale = self.experts.scales()
-        exact = torch.is_grad_enabled() or not self.quantize_activations
         routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts, w13_scale,
                            w2_scale, pow2_scales=self.pow2_scales, quantize_activations=not exact,
                            backend="reference" if exact else None)

@@ -2,7 +2,8 @@
 
 MLA rotates interleaved pairs ``(x0, x1), (x2, x3), ...``; the indexer rotates the two halves
 ``(x_i, x_{i+d/2})`` ("rotate-half"). Both use the same frequencies: ``qk_rope_head_dim / 2`` of
-them, YaRN-blended between the original and the ``factor``-interpolated ones.
+them, YaRN-blended between the original and the ``factor``-interpolated ones. The rotations
+themselves are ``flashdsa.runtime.rope`` (torch expressions, or one fused kernel).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 import torch
 
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.runtime.rope import apply_rope_
+from flashdsa.runtime.rope.reference import cos_sin, rotate
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -53,29 +56,28 @@ class Rotary:
         self.inv_freq = freq
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # device copies, made once (graph capture forbids copies)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions: [T]`` int -> ``(cos, sin)`` each ``[T, rope_dim / 2]`` fp32."""
+    def at(self, positions: torch.Tensor, fused: bool = False) -> "RopeAt":
+        """RoPE at ``positions: [T]`` int; ``fused``: one in-place kernel (``runtime.rope``; no autograd),
+        else the differentiable torch expressions."""
         inv_freq = self._inv_freq_on.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
-        angles = positions.float()[:, None] * inv_freq[None, :]
-        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        return RopeAt(positions, inv_freq, self.attention_factor, fused)
 
 
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[2i], x[2i+1])`` of ``x: [T, ..., d]`` by angle i; ``cos, sin: [T, d/2]``."""
-    cos, sin = _broadcast(cos, x), _broadcast(sin, x)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+class RopeAt:
+    """Rotates (q, k) pairs at one batch's positions; ``rope(q, k, interleaved) -> (q, k)``.
 
+    q: [T, H, D], k: [T, D]; the first ``qk_rope_head_dim`` dims of each are rotated, interleaved
+    (MLA) or rotate-half (the indexer). Fused, q and k are rotated in place and returned; else
+    new tensors come back and the fp32 ``cos, sin: [T, rope_dim / 2]`` are computed once."""
 
-def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[i], x[i + d/2])`` of ``x: [T, ..., d]`` by angle i; ``cos, sin: [T, d/2]``."""
-    cos, sin = _broadcast(cos, x), _broadcast(sin, x)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, fused: bool):
+        self.positions, self.inv_freq, self.attention_factor, self.fused = positions, inv_freq, attention_factor, fused
+        self.cos_sin = None if fused else cos_sin(positions, inv_freq, attention_factor)
 
-
-def _broadcast(angle: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``[T, d/2]`` fp32 -> ``[T, 1, ..., d/2]`` in x's dtype (HF casts cos/sin to the activations' dtype)."""
-    return angle.view(angle.shape[0], *([1] * (x.dim() - 2)), angle.shape[1]).to(x.dtype)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:
+            apply_rope_(q, k, self.positions, self.inv_freq, self.attention_factor, interleaved)
+            return q, k
+        return rotate(q, *self.cos_sin, interleaved), rotate(k, *self.cos_sin, interleaved)

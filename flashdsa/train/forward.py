@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flashdsa.models.rope import rope_interleaved
+from flashdsa.models.rope import RopeAt
 from flashdsa.train.autograd import sparse_mla_attention
 from flashdsa.train.indexer import IndexerInputs, causal_scores, indexer_inputs, select_topk, selected_scores
 from flashdsa.train.losses import dense_attention_target, indexer_kl, selected_attention_target
@@ -44,7 +44,7 @@ class _Step:
 
     batch: int
     length: int
-    cos_sin: tuple[torch.Tensor, torch.Tensor]
+    rope: RopeAt
     attention: str
     indexer_loss: bool
     dtype: torch.dtype  # dtype of q and kv handed to attention (bf16 on GPU)
@@ -75,7 +75,7 @@ def training_forward(
     positions = torch.arange(length, device=input_ids.device).repeat(batch)  # [T]
     weight_dtype = model.lm_head.weight.dtype
     default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
-    step = _Step(batch, length, model.rotary.cos_sin(positions), attention, indexer_loss,
+    step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
                  attention_dtype or default_dtype, backend)
     h = model.model.embed_tokens(input_ids.flatten())  # [T, hidden]
     losses = []
@@ -102,7 +102,7 @@ def _mla(attn, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor
     q_nope, q_pe = attn.q_b_proj(q_resid).view(T, H, c.qk_head_dim).split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
     c_kv, k_pe = attn.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
     c_kv = attn.kv_a_layernorm(c_kv)  # [T, 512]
-    q_pe, k_pe = rope_interleaved(q_pe, *step.cos_sin), rope_interleaved(k_pe, *step.cos_sin)
+    q_pe, k_pe = step.rope(q_pe, k_pe, interleaved=True)
     w_uk, w_uv = attn.kv_b_proj.weight.view(H, -1, c.kv_lora_rank).split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
     q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk.to(q_nope.dtype))  # [T, H, 512]
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.dtype)  # [T, H, 576]
@@ -110,7 +110,7 @@ def _mla(attn, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor
 
     index = None  # the indexer's q, k, w from detached inputs: its KL reaches the indexer only
     if step.attention == "sparse" or step.indexer_loss:
-        index = indexer_inputs(attn.indexer, x.detach(), q_resid.detach(), step.cos_sin, step.batch)
+        index = indexer_inputs(attn.indexer, x.detach(), q_resid.detach(), step.rope, step.batch)
     attend = _sparse_branch if step.attention == "sparse" else _dense_branch
     o_lat, kl = attend(q, kv, index, c, step)  # [T, H, 512], KL scalar (0 when not asked)
     o = torch.einsum("thc,hdc->thd", o_lat.to(x.dtype), w_uv.to(x.dtype))  # [T, H, v_head_dim]

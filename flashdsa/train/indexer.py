@@ -38,9 +38,9 @@ class IndexerInputs:
         return torch.einsum("bth,bths->bts", self.w[:, rows], dots)
 
 
-def indexer_inputs(indexer, x: torch.Tensor, q_resid: torch.Tensor, cos_sin, batch: int) -> IndexerInputs:
+def indexer_inputs(indexer, x: torch.Tensor, q_resid: torch.Tensor, rope, batch: int) -> IndexerInputs:
     """Project x: [T, hidden] and q_resid: [T, q_lora_rank] (T = batch * L) with the model's indexer."""
-    q, k, w = indexer.project(x, q_resid, cos_sin)
+    q, k, w = indexer.project(x, q_resid, rope)
     heads, dim = indexer.n_heads, indexer.head_dim
     q, k = q.float(), k.float()
     return IndexerInputs(q.view(batch, -1, heads, dim), k.view(batch, -1, dim), w.view(batch, -1, heads))

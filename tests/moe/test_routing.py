@@ -1,4 +1,5 @@
-"""select_experts against a plain, per-token re-statement of DeepSeek-V3's group-limited routing."""
+"""select_experts (reference and triton backends) against a plain, per-token re-statement of
+DeepSeek-V3's group-limited routing; the triton kernel runs under TRITON_INTERPRET=1 on CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from flashdsa.runtime.moe import select_experts
+from flashdsa.testing import kernel_test_main, run_under_interpreter
 from moe_cases import SEED, generator
 
 
@@ -35,8 +37,8 @@ def restated(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
     return torch.tensor(np.array(all_weights).reshape(shape)), torch.tensor(all_ids, dtype=torch.int32).view(shape)
 
 
-def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5):
-    weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor)
+def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5, backend=None):
+    weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor, backend=backend)
     scores = logits.sigmoid().cpu()  # the sigmoid of the op's device: the ranking starts from it
     want_weights, want_ids = restated(scores, bias.cpu(), top_k, n_group, topk_group, norm, factor)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
@@ -50,20 +52,37 @@ def tied_logits(tokens: int, experts: int, g: torch.Generator) -> torch.Tensor:
     return (torch.randint(-2, 3, (tokens, experts), generator=g).float() * 0.5)
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group", [
+CASES = [
     (7, 256, 8, 8, 4),  # DeepSeek-V3.2
     (5, 64, 6, 1, 1),  # no groups
     (9, 16, 4, 4, 4),  # every group kept: plain top-k
     (3, 12, 2, 6, 1),  # groups of two, one kept
     (4, 20, 8, 5, 2),  # top_k takes every expert of the kept groups
+    (6, 24, 3, 3, 2),  # groups of 8 in a padded 4 x 8 tile
     (1, 1, 1, 1, 1),
-])
+]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, n_group, topk_group", CASES)
 @pytest.mark.parametrize("ties", [False, True])
-def test_routing_matches_the_restated_math(tokens, experts, top_k, n_group, topk_group, ties):
+def test_routing_matches_the_restated_math(tokens, experts, top_k, n_group, topk_group, ties, backend=None):
     g = generator(tokens, experts, top_k, n_group, ties)
     logits = tied_logits(tokens, experts, g) if ties else torch.randn(tokens, experts, generator=g) * 2
     bias = torch.zeros(experts) if ties else torch.randn(experts, generator=g) * 0.1
-    check_routing(logits, bias, top_k, n_group, topk_group)
+    check_routing(logits, bias, top_k, n_group, topk_group, backend=backend)
+
+
+def triton_cases() -> None:
+    """Every case on the triton backend, with and without ties, plus unnormalized weights."""
+    for case in CASES:
+        for ties in (False, True):
+            test_routing_matches_the_restated_math(*case, ties, backend="triton")
+    g = generator(1)
+    check_routing(torch.randn(6, 32, generator=g), torch.randn(32, generator=g), 4, 4, 2, False, 1.5, "triton")
+
+
+def test_triton_routing_under_interpreter():
+    run_under_interpreter(__file__, SEED)
 
 
 def test_weights_without_normalization_are_scaled_scores():
@@ -77,6 +96,19 @@ def test_weights_without_normalization_are_scaled_scores():
 def test_no_tokens():
     weights, ids = select_experts(torch.zeros(0, 16), torch.zeros(16), 2, 4, 2, True, 1.0)
     assert weights.shape == ids.shape == (0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 128, 4096])
+def test_triton_routing_equals_reference_on_gpu(tokens):
+    """V3.2's routing on random and tied logits: the same experts; the weights within an ulp."""
+    g = generator(3, tokens)
+    for logits in (torch.randn(tokens, 256, generator=g) * 3, tied_logits(tokens, 256, g)):
+        logits, bias = logits.cuda(), (torch.randn(256, generator=g) * 0.01).cuda()
+        got_w, got_ids = select_experts(logits, bias, 8, 8, 4, True, 2.5, backend="triton")
+        want_w, want_ids = select_experts(logits, bias, 8, 8, 4, True, 2.5, backend="reference")
+        assert torch.equal(got_ids, want_ids), f"seed {SEED}"
+        torch.testing.assert_close(got_w, want_w, rtol=2.5e-7, atol=0, msg=f"seed {SEED}")
 
 
 @pytest.mark.gpu
@@ -111,3 +143,7 @@ def test_bad_arguments_name_themselves(change, message):
     with pytest.raises(ValueError) as e:
         select_experts(**args)
     assert message in str(e.value)
+
+
+if __name__ == "__main__":
+    kernel_test_main(triton_cases, lambda: test_triton_routing_equals_reference_on_gpu(128))

@@ -19,8 +19,8 @@ def inputs_of_a_tiny_model(batch: int = 2, length: int = 13):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch * length, 32, generator=g, dtype=torch.float64)
     q_resid = torch.randn(batch * length, 16, generator=g, dtype=torch.float64)
-    cos_sin = model.rotary.cos_sin(torch.arange(length).repeat(batch))
-    return attn.indexer, indexer_inputs(attn.indexer, x, q_resid, cos_sin, batch)
+    rope = model.rotary.at(torch.arange(length).repeat(batch))
+    return attn.indexer, indexer_inputs(attn.indexer, x, q_resid, rope, batch)
 
 
 def test_chunked_selection_equals_top_k_of_the_full_causal_scores(monkeypatch):

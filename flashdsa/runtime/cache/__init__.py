@@ -1,11 +1,13 @@
 """Paged FP8 caches: byte layouts (``layout``), pools (``pool``), the block allocator
-(``allocator``) and the two cache-write ops below (validation + backend dispatch).
+(``allocator``), the two cache-write ops and the position-to-slot mapping below (validation +
+backend dispatch).
 
-Backends of each write op, registered lazily:
-  reference  flashdsa.runtime.cache.reference:write_mla_cache / :write_indexer_cache
-  triton     flashdsa.runtime.cache.triton.writes:write_mla_cache / :write_indexer_cache
-Backend functions take the same positional arguments (no ``backend``), write in place and must
-skip slots < 0 or >= num_blocks * block_size.
+Backends of each op, registered lazily:
+  reference  flashdsa.runtime.cache.reference:<op>
+  triton     flashdsa.runtime.cache.triton.writes:write_mla_cache / :write_indexer_cache,
+             flashdsa.runtime.cache.triton.slots:positions_to_slots
+Backend functions take the same positional arguments (no ``backend``); the writes write in place
+and must skip slots < 0 or >= num_blocks * block_size.
 """
 
 from __future__ import annotations
@@ -15,14 +17,21 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime import dispatch
-from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, INDEXER_TOKEN_BYTES, KV_LORA_RANK, MLA_TOKEN_BYTES, ROPE_DIM
+from flashdsa.runtime.cache.layout import (
+    BLOCK_SIZE,
+    INDEX_HEAD_DIM,
+    INDEXER_TOKEN_BYTES,
+    KV_LORA_RANK,
+    MLA_TOKEN_BYTES,
+    ROPE_DIM,
+)
 from flashdsa.runtime.checks import can_check_values, check, check_tensor
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
-for _op in ("write_mla_cache", "write_indexer_cache"):
+for _op, _module in (("write_mla_cache", "writes"), ("write_indexer_cache", "writes"), ("positions_to_slots", "slots")):
     dispatch.register(_op, "reference", f"flashdsa.runtime.cache.reference:{_op}")
-    dispatch.register(_op, "triton", f"flashdsa.runtime.cache.triton.writes:{_op}")
+    dispatch.register(_op, "triton", f"flashdsa.runtime.cache.triton.{_module}:{_op}")
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -92,3 +101,28 @@ def write_indexer_cache(
                  "uint8 [num_blocks, block_size, 1, 132]", k.device)
     _check_slots(slot_mapping, k.shape[0], k_cache)
     dispatch.select("write_indexer_cache", k_cache.device, backend)(k, k_cache, slot_mapping)
+
+
+def positions_to_slots(positions: torch.Tensor, seq_ids: torch.Tensor, block_tables: torch.Tensor,
+                       block_size: int = BLOCK_SIZE, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Cache slots of per-token positions: ``block_tables[seq_ids[t], p // block_size] * block_size
+    + p % block_size`` for each position p of row t; graph-capturable (no host sync).
+
+    positions: [T, k] int32/int64 (rows may be strided), -1 = none (e.g. the indexer's padding).
+    seq_ids: [T] int64, the sequence of each token, in [0, B). block_tables: [B, max_blocks] int32,
+    -1 padded. Returns [T, k] int32: -1 where the position is < 0, past the table, or on a -1 block.
+    One kernel on a GPU (the torch expression is ~8, once a layer).
+    """
+    check_tensor("positions", positions, (torch.int32, torch.int64), [None, None], "int32/int64 [T, k]",
+                 contiguous=False)
+    check(positions.numel() == 0 or positions.stride(-1) == 1,
+          f"positions must have a contiguous last dim, got strides {positions.stride()}")
+    tokens = positions.shape[0]
+    check_tensor("seq_ids", seq_ids, torch.int64, [tokens], f"int64 [T={tokens}]", positions.device)
+    check_tensor("block_tables", block_tables, torch.int32, [None, None], "int32 [B, max_blocks]", positions.device)
+    check(isinstance(block_size, int) and block_size >= 1, f"block_size must be an int >= 1, got {block_size!r}")
+    if tokens and can_check_values(positions.device):
+        low, high = int(seq_ids.min()), int(seq_ids.max())
+        check(low >= 0 and high < block_tables.shape[0],
+              f"seq_ids must lie in [0, B={block_tables.shape[0]}), got values in [{low}, {high}]")
+    return dispatch.select("positions_to_slots", positions.device, backend)(positions, seq_ids, block_tables, block_size)

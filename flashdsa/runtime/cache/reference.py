@@ -32,3 +32,14 @@ def write_indexer_cache(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
     keys, scales = indexer_block_views(k_cache)
     keys[block, offset] = q
     scales[block, offset] = scale
+
+
+def positions_to_slots(positions: torch.Tensor, seq_ids: torch.Tensor, block_tables: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+    table = block_tables.long()[seq_ids]  # [T, max_blocks]
+    pos = positions.long()
+    page = pos.clamp_min(0) // block_size
+    listed = (pos >= 0) & (page < table.shape[1])
+    block = table.gather(1, page.clamp_max(table.shape[1] - 1))
+    slots = block * block_size + pos % block_size
+    return torch.where(listed & (block >= 0), slots, -1).to(torch.int32)

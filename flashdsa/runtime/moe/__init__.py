@@ -12,9 +12,9 @@ on the input shapes, so a decode step built on these ops can be captured in a CU
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device; loops over the
 experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 or FP8 e4m3 weights with
-128x128 block scales; E <= 1024). select_experts is torch ops on every device (no sync).
-Registered targets: ``{align_tokens, fused_moe}`` -> ``flashdsa.runtime.moe.reference:<op>``
-and ``flashdsa.runtime.moe.triton.{align,fused_moe}:<op>``.
+128x128 block scales; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64).
+Registered targets: ``{align_tokens, fused_moe, select_experts}`` -> ``flashdsa.runtime.moe.reference:<op>``
+and ``flashdsa.runtime.moe.triton.{align,fused_moe,routing}:<op>``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import torch
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.checks import check, check_tensor, describe
 from flashdsa.runtime.fp8 import E4M3
-from flashdsa.runtime.moe import reference
 from flashdsa.runtime.moe.alignment import AlignedPairs, max_blocks
 
 __all__ = ["AlignedPairs", "align_tokens", "fused_moe", "max_blocks", "select_experts"]
 
 SCALE_GROUP = 128  # rows and columns per FP8 weight-scale block
 TRITON_MAX_EXPERTS = 1024  # the triton alignment holds one counter per expert in registers
+TRITON_MAX_ROUTED, TRITON_MAX_TOP_K = 4096, 64  # a routing row in registers; top_k unrolled rounds
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # fp32/fp64: reference only (fp64: gradchecks)
 
 
@@ -48,9 +48,17 @@ def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequ
     return None
 
 
+def _triton_routes(padded_experts: int, top_k: int, **_) -> Optional[str]:
+    if padded_experts > TRITON_MAX_ROUTED:
+        return f"triton routing holds at most {TRITON_MAX_ROUTED} (power-of-two padded) experts a row, got {padded_experts}"
+    return None if top_k <= TRITON_MAX_TOP_K else f"triton routing takes top_k <= {TRITON_MAX_TOP_K}, got {top_k}"
+
+
 for _op, _module in (("align_tokens", "align"), ("fused_moe", "fused_moe")):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
     dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", _triton_supports)
+dispatch.register("select_experts", "reference", f"{__name__}.reference:select_experts")
+dispatch.register("select_experts", "triton", f"{__name__}.triton.routing:select_experts", _triton_routes)
 
 
 def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
@@ -60,7 +68,8 @@ def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                   norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   norm_topk_prob: bool, routed_scaling_factor: float, *,
+                   backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 group-limited routing over sigmoid scores, on the device with no sync.
 
     router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32 (bf16/fp16 widened),
@@ -70,7 +79,9 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     best experts inside them. Their uncorrected scores, divided by their sum (+1e-20) when
     ``norm_topk_prob``, times ``routed_scaling_factor``, are the weights.
     Returns (weights [T, top_k] fp32, expert_ids [T, top_k] int32), by descending ``s + bias``;
-    equal values (of experts and of groups) go to the lower index. NaN logits route arbitrarily.
+    equal values (of experts and of groups) go to the lower index. NaN logits route arbitrarily
+    (never outside [0, E)). The triton backend is one kernel a token (the reference ~15 torch
+    kernels): the same experts, the weights within an ulp (the chosen scores summed in another order).
     """
     check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]")
     num_experts = router_logits.shape[1]
@@ -87,8 +98,9 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
     check(is_number and math.isfinite(routed_scaling_factor),
           f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
-    return reference.select_experts(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob,
-                                    float(routed_scaling_factor))
+    padded = (1 << (n_group - 1).bit_length()) * (1 << (per_group - 1).bit_length())
+    impl = dispatch.select("select_experts", router_logits.device, backend, padded_experts=padded, top_k=top_k)
+    return impl(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob, float(routed_scaling_factor))
 
 
 def _name(dtype: torch.dtype) -> str:

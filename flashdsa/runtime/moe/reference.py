@@ -1,6 +1,6 @@
 """Reference MoE ops in torch (any device): the ground truth of the triton backend.
 
-select_experts is also the GPU path (torch ops that never sync). align_tokens and fused_moe loop
+select_experts is torch ops that never sync (the triton backend: one kernel). align_tokens and fused_moe loop
 over the experts, reading each expert's pairs back to the host: clear, but one sync per expert.
 """
 

@@ -1,0 +1,87 @@
+"""DeepSeek-V3 group-limited routing of one token row per Triton program (E <= 4096 in registers).
+
+The row is a [groups, experts per group] tile: sigmoid scores, the biased choice, each group's
+two best, the kept groups (rank by count of better groups, ties to the lower group), then top_k
+rounds of "best available expert, lowest index on ties" - the order of the reference's stable
+descending sort. On a GPU the sigmoid is libdevice's ``expf`` and an IEEE division, as torch's
+kernel computes it, so the experts chosen equal the reference's; the interpreter (no libdevice)
+uses NumPy's exp. NaN choices count as -inf, so every id stays inside [0, E).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from flashdsa.runtime.dispatch import interpreting
+from flashdsa.runtime.moe.reference import NORM_EPS
+
+
+@triton.jit
+def _sigmoid(x, LIBDEVICE: tl.constexpr):
+    """``1 / (1 + exp(-x))`` with torch's CUDA roundings (libdevice expf, IEEE division)."""
+    if LIBDEVICE:
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling, norm_eps, n_group, per_group,
+                  TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPED: tl.constexpr, NORMALIZE: tl.constexpr,
+                  G_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_BLOCK)
+    p = tl.arange(0, P_BLOCK)[None, :]
+    inside = (g[:, None] < n_group) & (p < per_group)
+    expert = g[:, None] * per_group + p  # [G, P]
+    scores = _sigmoid(tl.load(logits_ptr + t * stride_l + expert, mask=inside, other=0.0), LIBDEVICE)
+    choice = scores + tl.load(bias_ptr + expert, mask=inside, other=0.0)
+    choice = tl.where(inside & (choice == choice), choice, float("-inf"))
+    if GROUPED:  # keep the TOPK_GROUP groups with the largest sum of their two best choices
+        best = tl.max(choice, axis=1)
+        first = tl.min(tl.where(inside & (choice == best[:, None]), p, P_BLOCK), axis=1)
+        second = tl.max(tl.where(p == first[:, None], float("-inf"), choice), axis=1)
+        group_score = best + second  # [G]
+        other = g[None, :]
+        better = (group_score[None, :] > group_score[:, None]) | \
+            ((group_score[None, :] == group_score[:, None]) & (other < g[:, None]))
+        rank = tl.sum((better & (other < n_group)).to(tl.int32), axis=1)
+        choice = tl.where((rank < TOPK_GROUP)[:, None], choice, float("-inf"))
+    available = inside
+    k = tl.arange(0, K_BLOCK)
+    ids = tl.zeros([K_BLOCK], tl.int32)
+    weights = tl.zeros([K_BLOCK], tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.max(tl.where(available, choice, float("-inf")), axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(available & (choice == top), expert, 1 << 30), axis=1), axis=0)
+        hit = expert == pick
+        score = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)  # the one chosen score, exactly
+        available = available & ~hit
+        ids = tl.where(k == j, pick, ids)
+        weights = tl.where(k == j, score, weights)
+        total += score  # left to right over the chosen experts
+    if NORMALIZE:
+        weights = tl.math.div_rn(weights, tl.full([K_BLOCK], total + norm_eps, tl.float32))
+    tl.store(weights_ptr + t * TOP_K + k, weights * scaling, mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                   norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    per_group = experts // n_group
+    _route_kernel[(tokens,)](router_logits, bias, weights, ids, router_logits.stride(0), routed_scaling_factor,
+                             NORM_EPS, n_group, per_group, TOPK_GROUP=topk_group, TOP_K=top_k, GROUPED=topk_group < n_group,
+                             NORMALIZE=norm_topk_prob, G_BLOCK=triton.next_power_of_2(n_group),
+                             P_BLOCK=triton.next_power_of_2(per_group), K_BLOCK=triton.next_power_of_2(top_k),
+                             LIBDEVICE=not interpreting(), num_warps=4)
+    return weights, ids
