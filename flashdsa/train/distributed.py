@@ -18,22 +18,15 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.train.forward import SHARDED_FORWARD, layer_forward, model_forward
 
 logger = logging.getLogger(__name__)
-
-GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU only
 
 
 class World:
@@ -92,9 +85,10 @@ class World:
         experts' per-expert names), which do not run on shards."""
         if self.size == 1:
             return model.state_dict()
+        _reshard(model)
         full = {}
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            tensor = _full(tensor)
             if self.is_main:
                 full[name] = tensor.detach().cpu()
         if not self.is_main:
@@ -105,13 +99,32 @@ class World:
         return skeleton.state_dict()
 
     def optimizer_state(self, model, optimizer) -> dict:
-        """The full optimizer state keyed by parameter name on rank 0 ({} elsewhere); collective."""
-        return get_optimizer_state_dict(model, optimizer, options=GATHER)
+        """The optimizer's state with every tensor full and parameters named by module path (the
+        same on any number of ranks), on rank 0 ({"state": {}} elsewhere); collective."""
+        _reshard(model)
+        names = {p: name for name, p in model.named_parameters()}
+        state = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                full = {k: _full(v) for k, v in optimizer.state.get(p, {}).items()}
+                if self.is_main:
+                    state[names[p]] = {k: v.cpu() for k, v in full.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups} if self.is_main else {"state": {}}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """Load a name-keyed full optimizer state (every rank passes the same ``state``)."""
-        options = StateDictOptions(full_state_dict=True) if self.size > 1 else None
-        set_optimizer_state_dict(model, optimizer, state, options=options)
+        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``): each
+        tensor is cut to this rank's shard of its parameter."""
+        _reshard(model)
+        params = dict(model.named_parameters())
+        index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
+        local = {}
+        for name, values in state["state"].items():
+            p = params[name]
+            local[index[name]] = {k: _like(v, p) if k != "step" else v for k, v in values.items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        optimizer.load_state_dict({"state": local, "param_groups": groups})
 
     def load_model_state(self, model, state: dict[str, torch.Tensor]) -> None:
         """Load full weights read by rank 0 (the other ranks pass {} and receive them)."""
@@ -125,9 +138,29 @@ class World:
             dist.barrier()
 
 
+def _reshard(model) -> None:
+    """Put every FSDP module back on its shards: the root keeps its gathered parameters after a
+    forward without backward (an evaluation), and those are not the optimizer's."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from every rank if it is a shard)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` cut like ``param`` (this rank's shard when ``param`` is a DTensor)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+    return full
+
+
 def full_norm(norm: torch.Tensor) -> float:
     """``clip_grad_norm_``'s total norm as a float (under FSDP a DTensor partial over the ranks)."""
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return float(_full(norm))
 
 
 def join(device: torch.device) -> World:
