@@ -31,9 +31,11 @@ def save_model(
     tokenizer_dir: Optional[str | Path] = None,
     dtype: Optional[torch.dtype] = None,
     max_shard_bytes: int = 4 << 30,
+    weights: Optional[dict[str, torch.Tensor]] = None,
 ) -> Path:
-    """Write ``model``'s config, weights (cast to ``dtype`` when given; fp32-only tensors stay
-    fp32) and the tokenizer files found in ``tokenizer_dir`` to ``output_dir``."""
+    """Write ``model``'s config, weights (``weights`` when given, e.g. gathered from FSDP shards,
+    else its state dict; cast to ``dtype`` when given, fp32-only tensors stay fp32) and the
+    tokenizer files found in ``tokenizer_dir`` to ``output_dir``."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], **model.config.to_dict()}
@@ -41,7 +43,7 @@ def save_model(
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if weights is None else weights).items():
         keep = dtype is None or name.endswith(FP32_PARAMS)
         tensors[name] = tensor.detach().to("cpu", None if keep else dtype).contiguous()
     _save_sharded(tensors, output_dir, max_shard_bytes)
@@ -90,11 +92,12 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
 
 
 def save_training_checkpoint(
-    model, state: dict, output_dir: str | Path, step: int, tokenizer_dir, keep: int = 2
+    model, state: dict, output_dir: str | Path, step: int, tokenizer_dir, keep: int = 2, weights=None
 ) -> Path:
-    """Save model (training dtype) + ``state`` as checkpoint ``step``; keep the newest ``keep``."""
+    """Save model (training dtype; ``weights`` as in ``save_model``) + ``state`` as checkpoint
+    ``step``; keep the newest ``keep``."""
     path = checkpoint_dir(output_dir, step)
-    save_model(model, path, tokenizer_dir)
+    save_model(model, path, tokenizer_dir, weights=weights)
     torch.save(state, path / TRAINER_STATE)  # written last: its presence marks the checkpoint complete
     for old in sorted((Path(output_dir) / CHECKPOINTS).glob("step-*"))[:-keep]:
         shutil.rmtree(old)

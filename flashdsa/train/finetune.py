@@ -5,6 +5,11 @@
 writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (resumable),
 ``DIR/log.jsonl`` and ``DIR/loss.png``. ``--resume`` continues from the newest checkpoint in
 ``--output`` exactly where it stopped (weights, optimizer, schedule, data position, RNG).
+
+    torchrun --nproc-per-node N -m flashdsa finetune ...
+
+trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
+batch, checkpoints and outputs as one process; rank 0 writes every file.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from flashdsa.models.loader import load_model
     from flashdsa.train import checkpoint as ckpt
     from flashdsa.train.data import read_documents, split_stream, token_stream
+    from flashdsa.train.distributed import join, leave
     from flashdsa.train.loop import Trainer
 
     cfg = TrainConfig(stage=args.stage, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
@@ -65,20 +71,27 @@ def run(args: argparse.Namespace) -> int:
                       eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
                       checkpointing=args.gradient_checkpointing, seed=args.seed, backend=args.backend,
                       keep_best=args.keep_best, time_limit_s=args.time_limit)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = join(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    device = world.device
     resume_from = ckpt.latest_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:
         raise SystemExit(f"--resume: no checkpoint under {Path(args.output) / ckpt.CHECKPOINTS}")
-    model = load_model(resume_from or args.model, device=device, mode="reference")  # fp32 master weights
+    # fp32 master weights; several ranks read them to host memory and shard them onto the device
+    model = load_model(resume_from or args.model, device=device if world.size == 1 else "cpu", mode="reference")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokens = token_stream(read_documents(args.data, tokenizer), tokenizer)
     train_tokens, eval_tokens = split_stream(tokens, args.eval_fraction, cfg.seq_len)
-    trainer = Trainer(model, train_tokens, eval_tokens, cfg, args.output, args.model, device)
+    trainer = Trainer(model, train_tokens, eval_tokens, cfg, args.output, args.model, device, world)
     if resume_from is not None:
         trainer.load_state_dict(ckpt.load_training_state(resume_from))
-        print(f"resumed from {resume_from} at step {trainer.step}")
+        if world.is_main:
+            print(f"resumed from {resume_from} at step {trainer.step}")
     metrics = trainer.train()
-    ckpt.save_model(model, args.output, args.model, DTYPES[args.save_dtype], args.max_shard_mb << 20)
-    summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-    print(f"{cfg.stage} stage: {trainer.step} steps on {len(train_tokens)} tokens; {summary}; saved to {args.output}")
+    weights = world.model_state(model)
+    if world.is_main:
+        ckpt.save_model(model, args.output, args.model, DTYPES[args.save_dtype], args.max_shard_mb << 20, weights)
+        summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        print(f"{cfg.stage} stage: {trainer.step} steps on {len(train_tokens)} tokens; {summary}; "
+              f"saved to {args.output}" + (f" ({world.size} ranks)" if world.size > 1 else ""))
+    leave(world)
     return 0

@@ -16,6 +16,7 @@ computation), from detached inputs, so its KL loss trains the indexer alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ from flashdsa.train.indexer import IndexerInputs, causal_scores, indexer_inputs,
 from flashdsa.train.losses import dense_attention_target, indexer_kl, selected_attention_target
 
 ATTENTION_MODES = ("dense", "sparse")
+SHARDED_FORWARD = "sharded_training_forward"  # the method name FSDP2 wraps on sharded modules
 
 
 @dataclass
@@ -49,6 +51,7 @@ class _Step:
     indexer_loss: bool
     dtype: torch.dtype  # dtype of q and kv handed to attention (bf16 on GPU)
     backend: Optional[str]
+    checkpointing: bool  # recompute each layer in the backward
 
 
 def training_forward(
@@ -76,20 +79,32 @@ def training_forward(
     weight_dtype = model.lm_head.weight.dtype
     default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
     step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
-                 attention_dtype or default_dtype, backend)
+                 attention_dtype or default_dtype, backend, checkpointing)
+    return _bound(model, model_forward)(input_ids, step)
+
+
+def _bound(module, forward):
+    """``forward`` bound to ``module``: its FSDP-wrapped ``SHARDED_FORWARD`` when it has one."""
+    return getattr(module, SHARDED_FORWARD, None) or partial(forward, module)
+
+
+def model_forward(model, input_ids: torch.Tensor, step: _Step) -> TrainOutput:
+    """Embedding, every layer, final norm and head over ``input_ids: [B, L]``."""
     h = model.model.embed_tokens(input_ids.flatten())  # [T, hidden]
     losses = []
     for layer in model.model.layers:
-        if checkpointing and torch.is_grad_enabled():
-            h, kl = checkpoint(_layer_forward, layer, h, step, use_reentrant=False)
+        forward = _bound(layer, layer_forward)
+        if step.checkpointing and torch.is_grad_enabled():
+            h, kl = checkpoint(forward, h, step, use_reentrant=False)
         else:
-            h, kl = _layer_forward(layer, h, step)
+            h, kl = forward(h, step)
         losses.append(kl)
-    logits = model.lm_head(model.model.norm(h)).float().view(batch, length, -1)
-    return TrainOutput(logits, torch.stack(losses).mean() if indexer_loss else None)
+    logits = model.lm_head(model.model.norm(h)).float().view(step.batch, step.length, -1)
+    return TrainOutput(logits, torch.stack(losses).mean() if step.indexer_loss else None)
 
 
-def _layer_forward(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_forward(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer: h: [T, hidden] -> (h after attention and MLP, indexer KL scalar or 0)."""
     attn_out, kl = _mla(layer.self_attn, layer.input_layernorm(h), step)
     h = h + attn_out
     return h + layer.mlp(layer.post_attention_layernorm(h)), kl

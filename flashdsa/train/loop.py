@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from flashdsa.train import checkpoint as ckpt
 from flashdsa.train.data import TokenBatches, eval_batches
+from flashdsa.train.distributed import World, full_norm
 from flashdsa.train.forward import training_forward
 from flashdsa.train.losses import lm_loss
 from flashdsa.train.plot import save_loss_png
@@ -119,12 +120,20 @@ def evaluate(model, batches: list[torch.Tensor], cfg: TrainConfig, device) -> di
 
 
 class Trainer:
-    """Runs one stage on ``model`` (fp32 weights) and writes checkpoints, log and plot to ``output_dir``."""
+    """Runs one stage on ``model`` (fp32 weights) and writes checkpoints, log and plot to ``output_dir``.
 
-    def __init__(self, model, train_tokens, eval_tokens, cfg: TrainConfig, output_dir, tokenizer_dir, device):
+    With a ``world`` of several ranks (``flashdsa.train.distributed``) the model is sharded with
+    FSDP2, each rank trains on its rows of every batch, and rank 0 alone writes files."""
+
+    def __init__(self, model, train_tokens, eval_tokens, cfg: TrainConfig, output_dir, tokenizer_dir, device,
+                 world: Optional[World] = None):
         self.model, self.cfg, self.device = model, cfg, torch.device(device)
         self.output_dir, self.tokenizer_dir = Path(output_dir), tokenizer_dir
-        self.params = set_trainable(model, cfg.stage)
+        self.world = world or World(device=self.device)
+        self.world.check_batch(cfg.batch_size)
+        set_trainable(model, cfg.stage)
+        self.world.shard(model)  # replaces the parameters with this rank's shards
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
         self.batches = TokenBatches(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
         self.eval_set = eval_batches(eval_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens)
@@ -133,14 +142,14 @@ class Trainer:
     def state_dict(self) -> dict:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         return {"step": self.step, "best_eval": self.best_eval, "config": asdict(self.cfg),
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "optimizer": self.world.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
                 "data": self.batches.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
 
     def load_state_dict(self, state: dict) -> None:
         if state["config"]["stage"] != self.cfg.stage:
             raise ValueError(f"cannot resume a {state['config']['stage']!r} run as stage {self.cfg.stage!r}")
         self.step, self.best_eval = state["step"], state["best_eval"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.world.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
@@ -151,20 +160,22 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Run from ``self.step`` to ``cfg.steps``; returns the last eval losses."""
         cfg, metrics, started_run = self.cfg, {}, time.perf_counter()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"{cfg.stage}", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"{cfg.stage}", unit="step", dynamic_ncols=True,
+                   disable=not self.world.is_main)
         while self.step < cfg.steps:
             started = time.perf_counter()
-            losses = compute_losses(self.model, next(self.batches).to(self.device), cfg)
+            losses = compute_losses(self.model, self.world.local_rows(next(self.batches)).to(self.device), cfg)
             losses["loss"].backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             record = {"step": self.step, "stage": cfg.stage, "lr": self.scheduler.get_last_lr()[0],
-                      **{k: float(v.detach()) for k, v in losses.items()}, "grad_norm": float(grad_norm)}
+                      **self.world.mean(losses), "grad_norm": grad_norm}
             record["tokens_per_s"] = cfg.batch_size * cfg.seq_len / (time.perf_counter() - started)
-            out_of_time = cfg.time_limit_s is not None and time.perf_counter() - started_run > cfg.time_limit_s
+            out_of_time = cfg.time_limit_s is not None and self.world.any(
+                time.perf_counter() - started_run > cfg.time_limit_s)  # every rank stops at the same step
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_time:
                 metrics = evaluate(self.model, self.eval_set, cfg, self.device)
                 record.update(metrics)
@@ -187,22 +198,31 @@ class Trainer:
         return metrics
 
     def _keep_if_best(self, eval_loss: float) -> None:
-        if self.cfg.keep_best and eval_loss < self.best_eval:
+        if self.cfg.keep_best and eval_loss < self.best_eval:  # every rank evaluates alike, so all agree
             self.best_eval = eval_loss
-            ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir)
+            weights = self.world.model_state(self.model)
+            if self.world.is_main:
+                ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir, weights=weights)
 
     def _restore_best(self) -> None:
         """Load the best weights (fp32, as saved) back into the model."""
         from flashdsa.models.loader import read_tensors
 
-        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config))
-        self.model.load_state_dict({k: v.to(self.device) for k, v in best.items()})
+        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config)) if self.world.is_main else {}
+        self.world.load_model_state(self.model, best)
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_training_checkpoint(self.model, self.state_dict(), self.output_dir, self.step,
-                                             self.tokenizer_dir)
+        """Rank 0 writes the checkpoint of every rank's gathered state (all ranks must call this)."""
+        weights, state = self.world.model_state(self.model), self.state_dict()
+        path = ckpt.checkpoint_dir(self.output_dir, self.step)
+        if self.world.is_main:
+            ckpt.save_training_checkpoint(self.model, state, self.output_dir, self.step, self.tokenizer_dir,
+                                          weights=weights)
+        return path
 
     def _log(self, record: dict) -> None:
+        if not self.world.is_main:
+            return
         self.output_dir.mkdir(parents=True, exist_ok=True)
         with (self.output_dir / LOG_FILE).open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -210,12 +230,14 @@ class Trainer:
     def _truncate_log(self) -> None:
         """Drop log lines past the resumed step (written after the checkpoint by an interrupted run)."""
         path = self.output_dir / LOG_FILE
-        if path.is_file():
+        if path.is_file() and self.world.is_main:
             lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
             path.write_text("".join(line + "\n" for line in lines))
 
     def plot(self) -> None:
-        """loss.png: training and held-out losses of the log, by step."""
+        """loss.png: training and held-out losses of the log, by step (rank 0)."""
+        if not self.world.is_main:
+            return
         records = [json.loads(line) for line in (self.output_dir / LOG_FILE).read_text().splitlines()]
         series = []
         colors = {"loss": (200, 40, 40), "eval_loss": (40, 40, 200), "eval_indexer_kl": (30, 150, 30)}

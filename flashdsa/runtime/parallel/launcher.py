@@ -125,9 +125,12 @@ class _Workers:
         atexit.register(self.stop)
 
     def _watch(self) -> None:
-        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.processes])
         if self.stopping:
             return
+        for p in self.processes:  # a sentinel is ready a moment before the exit status can be read
+            if p.sentinel in ready:
+                p.join(STOP_TIMEOUT_S)
         dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.processes) if not p.is_alive()]
         logger.critical("worker %s died; stopping every rank", ", ".join(dead))
         print(f"flashdsa: worker {', '.join(dead)} died; stopping", file=sys.stderr, flush=True)

@@ -1,0 +1,192 @@
+"""Data-parallel fine-tuning over several processes: FSDP2 sharding, each rank a slice of every batch.
+
+Under ``torchrun --nproc-per-node N -m flashdsa finetune ...`` every rank holds 1/N of each
+parameter, gradient and optimizer state (``torch.distributed.fsdp.fully_shard``, per decoder layer
+then the root) and trains on rows ``[rank * B/N, (rank + 1) * B/N)`` of every global batch of B
+rows, so the global batch, the mean loss and the gradient (FSDP averages it over ranks) are the
+one-process run's. Checkpoints keep one layout whatever the rank count: rank 0 gathers the full
+state dicts and writes the HF-layout weights and a name-keyed optimizer state, so a run resumes
+on any number of ranks. NCCL on GPUs (one per rank), gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.train.forward import SHARDED_FORWARD, layer_forward, model_forward
+
+logger = logging.getLogger(__name__)
+
+
+class World:
+    """This process's place in the run: rank ``rank`` of ``size`` (size 1: one process, no group)."""
+
+    def __init__(self, rank: int = 0, size: int = 1, device: torch.device = torch.device("cpu")):
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes checkpoints, the log and the plot."""
+        return self.rank == 0
+
+    def check_batch(self, batch_size: int) -> None:
+        """ValueError unless ``batch_size`` rows split evenly over the ranks."""
+        if batch_size % self.size:
+            raise ValueError(f"the batch of {batch_size} sequences does not split over {self.size} ranks: "
+                             f"make --batch-tokens / --seq-len a multiple of {self.size}")
+
+    def local_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global ``batch: [B, L + 1]`` (B divisible by the size)."""
+        rows = batch.shape[0] // self.size
+        return batch[self.rank * rows : (self.rank + 1) * rows]
+
+    def shard(self, model) -> None:
+        """FSDP2 over every rank: each decoder layer, then the root (embedding, final norm, head);
+        parameters move to this rank's device. One process: nothing to do."""
+        if self.size == 1:
+            return
+        mesh = init_device_mesh(self.device.type, (self.size,))
+        for module, forward in [(layer, layer_forward) for layer in model.model.layers] + [(model, model_forward)]:
+            fully_shard(module, mesh=mesh)
+            setattr(module, SHARDED_FORWARD, partial(forward, module))
+            register_fsdp_forward_method(module, SHARDED_FORWARD)
+
+    def mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Each scalar averaged over the ranks (the global batch's value), as floats."""
+        stacked = torch.stack([v.detach().float().reshape(()) for v in values.values()])
+        if self.size > 1:
+            dist.all_reduce(stacked)
+            stacked /= self.size
+        return dict(zip(values, stacked.tolist()))
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any (so all ranks take the same branch)."""
+        if self.size == 1:
+            return flag
+        box = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
+
+    def model_state(self, model) -> dict[str, torch.Tensor]:
+        """The state dict under the checkpoint's names, full, on rank 0 ({} on the other ranks);
+        every rank must call it. Each sharded tensor is gathered under its module path, then a
+        weightless copy of the model takes them and applies its own state-dict hooks (the routed
+        experts' per-expert names), which do not run on shards."""
+        if self.size == 1:
+            return model.state_dict()
+        _reshard(model)
+        full = {}
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            tensor = _full(tensor)
+            if self.is_main:
+                full[name] = tensor.detach().cpu()
+        if not self.is_main:
+            return {}
+        with torch.device("meta"):
+            skeleton = DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
+        skeleton.load_state_dict(full, assign=True)
+        return skeleton.state_dict()
+
+    def optimizer_state(self, model, optimizer) -> dict:
+        """The optimizer's state with every tensor full and parameters named by module path (the
+        same on any number of ranks), on rank 0 ({"state": {}} elsewhere); collective."""
+        _reshard(model)
+        names = {p: name for name, p in model.named_parameters()}
+        state = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                full = {k: _full(v) for k, v in optimizer.state.get(p, {}).items()}
+                if self.is_main:
+                    state[names[p]] = {k: v.cpu() for k, v in full.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups} if self.is_main else {"state": {}}
+
+    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``): each
+        tensor is cut to this rank's shard of its parameter."""
+        _reshard(model)
+        params = dict(model.named_parameters())
+        index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
+        local = {}
+        for name, values in state["state"].items():
+            p = params[name]
+            local[index[name]] = {k: _like(v, p) if k != "step" else v for k, v in values.items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        optimizer.load_state_dict({"state": local, "param_groups": groups})
+
+    def load_model_state(self, model, state: dict[str, torch.Tensor]) -> None:
+        """Load full weights read by rank 0 (the other ranks pass {} and receive them)."""
+        if self.size == 1:
+            model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
+            return
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def _reshard(model) -> None:
+    """Put every FSDP module back on its shards: the root keeps its gathered parameters after a
+    forward without backward (an evaluation), and those are not the optimizer's."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from every rank if it is a shard)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` cut like ``param`` (this rank's shard when ``param`` is a DTensor)."""
+    if isinstance(param, DTensor):
+        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+    return full
+
+
+def full_norm(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s total norm as a float (under FSDP a DTensor partial over the ranks)."""
+    return float(_full(norm))
+
+
+def join(device: torch.device) -> World:
+    """The World of this process: from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), it
+    joins the process group (NCCL on CUDA, one GPU per local rank; gloo on CPU); else one process."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1:
+        return World(device=device)
+    rank = int(os.environ["RANK"])
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank}: local rank {local} needs GPU {local}, {torch.cuda.device_count()} visible")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if backend == "nccl" else None)
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank}: {backend.upper()} failed to initialize: {exc}") from exc
+    logger.info("rank %d of %d on %s (%s)", rank, size, device, backend)
+    return World(rank, size, device)
+
+
+def leave(world: World) -> None:
+    """Leave the process group (after rank 0's last write)."""
+    if world.size > 1 and dist.is_initialized():
+        world.barrier()
+        dist.destroy_process_group()

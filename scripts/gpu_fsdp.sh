@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# FSDP2 fine-tuning on 2 GPUs (nvidia-h200-x2, NCCL) against 1 GPU, within 4 minutes: the tiny
+# full-width checkpoint (V3.2 attention widths), sparse stage, the same global batch; prints the
+# median step time of each, the speed-up and the largest relative gap between the loss curves.
+# Logs and both runs under $OUT.   bash scripts/gpu_fsdp.sh
+set -euo pipefail
+out=${OUT:-/tmp/flashdsa-fsdp}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/device.txt"
+timeout 60 python3 -m flashdsa make-tiny "$out/tiny" > "$out/make-tiny.log" 2>&1
+python3 -c "
+import random; r = random.Random(0); w = 'the a king queen lord speak hear my good sir thou art not what is love'.split()
+open('$out/corpus.txt', 'w').write('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(20000)))"
+args=(finetune --model "$out/tiny" --data "$out/corpus.txt" --stage sparse --steps 30 --seq-len 1024
+      --batch-tokens 16384 --eval-every 1000 --eval-tokens 2048 --backend triton)
+timeout 90 python3 -m flashdsa "${args[@]}" --output "$out/one" > "$out/one.log" 2>&1
+timeout 90 torchrun --standalone --nproc-per-node 2 -m flashdsa "${args[@]}" --output "$out/two" > "$out/two.log" 2>&1
+python3 - "$out" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+logs = {n: [json.loads(l) for l in (out / n / "log.jsonl").read_text().splitlines()] for n in ("one", "two")}
+step = {n: statistics.median(r["tokens_per_s"] for r in logs[n][5:]) for n in logs}  # past warm-up
+gap = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(logs["one"], logs["two"]))
+print(f"tokens/s 1 GPU {step['one']:.0f}, 2 GPUs {step['two']:.0f}: {step['two'] / step['one']:.2f}x")
+print(f"step time 1 GPU {16384 / step['one'] * 1e3:.1f} ms, 2 GPUs {16384 / step['two'] * 1e3:.1f} ms")
+print(f"loss curves: largest relative gap {gap:.2e} over {len(logs['one'])} steps")
+PY
