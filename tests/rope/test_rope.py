@@ -37,8 +37,9 @@ def check_against_reference(device: str, dtype: torch.dtype, exact: bool) -> Non
             want_q, want_k = (expected(x, positions, inv_freq, factor, interleaved) for x in (q, k))
             apply_rope_(q, k, positions, inv_freq, factor, interleaved, backend="triton")
             for got, want in ((q, want_q), (k, want_k)):
-                if exact:  # the same roundings as torch's kernels: every bit
-                    assert torch.equal(got, want), (tokens, heads, dim, rot, interleaved)
+                if exact:  # one rounding of a*c - b*s where torch rounds three times: within an ulp
+                    ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+                    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=ulp, msg=str((tokens, heads, dim, rot)))
                 else:  # the interpreter's NumPy cos/sin may differ from torch's by an ulp
                     torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
 
@@ -80,7 +81,7 @@ def test_triton_kernel_matches_reference_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_kernel_equals_reference_bit_for_bit_on_gpu(dtype):
+def test_triton_kernel_matches_reference_within_an_ulp_on_gpu(dtype):
     check_against_reference("cuda", dtype, exact=True)
 
 
