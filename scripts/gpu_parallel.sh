@@ -18,7 +18,7 @@ TIME=60 part make-tiny python3 -m flashdsa make-tiny "$out/tiny"
 TIME=90 part make-v32 python3 -c "from flashdsa.models.synthetic import v32_config, write_random_checkpoint as w; w('$out/v32', v32_config(4), device='cuda')"
 runs=()
 for ckpt in tiny v32; do
-  decode=""; [[ $ckpt == v32 ]] && decode="128x2048,128x16384"
+  decode=""; [[ $ckpt == v32 ]] && decode="${DECODE:-128x2048,128x16384}"
   for setting in "1" "2" "2 --ep"; do
     tag=$ckpt-tp${setting// /}; tag=${tag//--/}
     TIME=$([[ $ckpt == v32 ]] && echo 120 || echo 50) part "$tag" python3 benchmarks/bench_parallel.py run --checkpoint "$out/$ckpt" --tp $setting --decode "$decode" --out "$out/$tag.json" \
