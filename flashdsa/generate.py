@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--mode", choices=MODES, default="production", help="precision mode (default production)")
     add_parallel_arguments(parser)
+    parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
+                        help="1: draft a token per step with the model's MTP layer, verified by the model (default 0)")
+    parser.add_argument("--verbose", action="store_true", help="also print the speculative acceptance rate")
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -49,12 +52,12 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False).input_ids
 
 
-def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int) -> LLMEngine:
+def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int, speculative_tokens: int = 0) -> LLMEngine:
     """An engine whose cache holds one sequence of ``max_len`` tokens (capped at the model's
     positions), rather than the serving default of as many blocks as memory allows."""
     max_len = min(max_len, model.config.max_position_embeddings)
     config = EngineConfig(max_num_seqs=1, max_model_len=max_len, num_blocks=-(-max_len // BLOCK_SIZE),
-                          enable_prefix_caching=False)
+                          enable_prefix_caching=False, speculative_tokens=speculative_tokens)
     return LLMEngine(model, tokenizer, config)
 
 
@@ -89,6 +92,13 @@ def timings_line(prompt_tokens: int, prefill_s: float, output_tokens: int, decod
             f"generated {output_tokens} tokens, {decode_tps:.1f} tok/s]")
 
 
+def acceptance_line(engine: LLMEngine) -> str:
+    """Drafts verified and accepted by speculative decoding (``--verbose``)."""
+    drafts, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
+    rate = f"{accepted / drafts:.1%}" if drafts else "n/a"
+    return f"[speculative decoding: {drafts} draft tokens, {accepted} accepted, acceptance rate {rate}]"
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -102,11 +112,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"flashdsa generate: {exc}")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     try:
-        model = load(args.model, parallel, args.device, args.mode)
+        model = load(args.model, parallel, args.device, args.mode, mtp=args.speculative_tokens > 0)
     except ValueError as exc:
         raise SystemExit(f"flashdsa generate: {exc}")
     prompt = encode_prompt(tokenizer, args.prompt, args.chat)
-    engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens)
+    engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens, args.speculative_tokens)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
@@ -117,4 +127,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"flashdsa generate: {exc}")
     print("\n" + timings_line(len(prompt), prefill_s, len(ids), decode_s))
+    if args.verbose:
+        print(acceptance_line(engine))
     return 0

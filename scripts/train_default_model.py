@@ -4,13 +4,15 @@
 
 Recipe (one GPU, about five minutes of training):
   0. a byte-level BPE tokenizer (2048 tokens) trained on the corpus (or --tokenizer DIR reused);
-  1. ``dense``: from random weights, language modelling with dense attention (indexer frozen);
-  2. ``warmup``: the indexer alone learns the dense attention (KL over all causal keys);
+  1. ``dense``: from random weights, language modelling with dense attention (indexer frozen),
+     plus the multi-token-prediction (MTP) layer's loss at weight 0.3 (DeepSeek-V3's first value);
+  2. ``warmup``: the indexers alone learn the dense attention (KL over all causal keys);
   3. ``sparse``: top-k attention (topk 64 of up to 512 keys) through the sparse kernels' autograd,
-     LM loss plus the indexer KL over the selected keys.
+     LM loss plus the MTP loss at weight 0.1 plus the indexer KL over the selected keys.
 The last 10% of the corpus is held out. Each stage keeps the weights of its best held-out loss.
-The result (bf16 weights, HF layout) goes to --output with ``training.json`` (losses, timings,
-a sample generated through the production inference path) and the stages' log and loss plot.
+The result (bf16 weights, HF layout, with the MTP layer) goes to --output with ``training.json``
+(losses, timings, the speculative-decoding acceptance rate on held-out prompts, a sample
+generated through the production inference path) and the stages' log and loss plot.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from transformers import AutoTokenizer
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.mtp import add_mtp_layer
 from flashdsa.train.autograd import sparse_mla_attention
 from flashdsa.train.checkpoint import save_model
 from flashdsa.train.data import eval_batches, read_documents, split_stream, token_stream
@@ -45,11 +48,12 @@ CONFIG = dict(
     max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
 )
 COMMON = dict(seq_len=512, batch_tokens=8192, eval_every=25, eval_tokens=65536, keep_best=True)
-STAGES = [  # (stage, steps, peak lr, seconds allowed)
-    ("dense", 1000, 1e-3, 130),  # held-out loss is lowest near step 500, then it overfits; the best is kept
-    ("warmup", 200, 1e-3, 30),
-    ("sparse", 400, 3e-4, 100),  # (a 500 / 200 / 200-step variant ended worse: 3.964 vs 3.946 eval loss)
+STAGES = [  # (stage, steps, peak lr, seconds allowed, MTP loss weight)
+    ("dense", 1000, 1e-3, 130, 0.3),  # held-out loss is lowest near step 500, then it overfits; the best is kept
+    ("warmup", 200, 1e-3, 30, 0.3),  # (the MTP layer's indexer learns its KL; no LM losses here)
+    ("sparse", 400, 3e-4, 100, 0.1),  # (a 500 / 200 / 200-step variant ended worse: 3.964 vs 3.946 eval loss)
 ]
+ACCEPTANCE_PROMPTS, ACCEPTANCE_PROMPT_TOKENS, ACCEPTANCE_OUTPUT_TOKENS = 32, 64, 128
 SAMPLE_PROMPT = "ROMEO:\n"
 ALL_STAGES_LOG = "all_stages.jsonl"
 
@@ -87,12 +91,38 @@ def held_out_losses(model_dir: Path, eval_tokens: torch.Tensor, seq_len: int, de
     """Held-out LM loss of the exported (bf16) model with sparse and with dense attention, and the indexer KL."""
     from flashdsa.models.loader import load_model
 
-    model = load_model(model_dir, device=device, mode="reference")
+    model = load_model(model_dir, device=device, mode="reference", mtp=True)
     batches = eval_batches(eval_tokens, seq_len, 16, len(eval_tokens))
     sparse = evaluate(model, batches, TrainConfig(stage="sparse", steps=1, seq_len=seq_len), device)
     dense = evaluate(model, batches, TrainConfig(stage="dense", steps=1, seq_len=seq_len), device)
     return {"sparse_lm_loss": sparse["eval_lm_loss"], "indexer_kl": sparse["eval_indexer_kl"],
-            "dense_lm_loss": dense["eval_lm_loss"], "tokens": sum(b[:, 1:].numel() for b in batches)}
+            "mtp_loss": sparse["eval_mtp_loss"], "dense_lm_loss": dense["eval_lm_loss"],
+            "tokens": sum(b[:, 1:].numel() for b in batches)}
+
+
+def acceptance_rates(model_dir: Path, eval_tokens: torch.Tensor, device: torch.device, smoke: bool) -> dict:
+    """Speculative decoding (--speculative-tokens 1) from held-out prompts through the engine:
+    the share of MTP drafts the model accepts, greedy and at generate's default sampling."""
+    from flashdsa.models.loader import load_model
+    from flashdsa.runtime.llm import LLM
+    from flashdsa.runtime.sampling_params import SamplingParams
+
+    n, length, new = (4, 16, 16) if smoke else (ACCEPTANCE_PROMPTS, ACCEPTANCE_PROMPT_TOKENS, ACCEPTANCE_OUTPUT_TOKENS)
+    stride = (len(eval_tokens) - length) // n
+    prompts = [eval_tokens[i * stride : i * stride + length].tolist() for i in range(n)]
+    mode = "production" if device.type == "cuda" else "reference"
+    model = load_model(model_dir, device=device, mode=mode, mtp=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rates = {"prompts": n, "prompt_tokens": length, "output_tokens": new}
+    for name, params in (("greedy", SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)),
+                         ("temperature_0.8_top_k_40", SamplingParams(temperature=0.8, top_k=40, seed=0,
+                                                                     max_tokens=new, ignore_eos=True))):
+        llm = LLM(model, tokenizer, speculative_tokens=1, max_num_seqs=n, max_model_len=length + new + 1)
+        llm.generate(prompts, params, use_tqdm=False)
+        engine = llm.engine
+        rates[name] = engine.num_accepted_tokens / max(engine.num_draft_tokens, 1)
+        del llm, engine
+    return rates
 
 
 def sample(model_dir: Path, device: torch.device, max_tokens: int = 200) -> str:
@@ -138,7 +168,9 @@ def main() -> None:
     train_tokens, eval_tokens = split_stream(tokens, 0.1, common["seq_len"])
     logger.info("corpus: %d tokens (%d train, %d held out)", len(tokens), len(train_tokens), len(eval_tokens))
 
-    model = initialize(DeepseekV32ForCausalLM(DeepseekV32Config(**CONFIG), mode="reference"), seed=0).to(device)
+    model = initialize(DeepseekV32ForCausalLM(DeepseekV32Config(**CONFIG), mode="reference"), seed=0)
+    initialize(add_mtp_layer(model), seed=1, depth=CONFIG["num_hidden_layers"])
+    model = model.to(device)
     backend = sparse_backend(device, args.backend)
     logger.info("model: %.2fM parameters; sparse attention backend: %s",
                 sum(p.numel() for p in model.parameters()) / 1e6, backend)
@@ -146,9 +178,9 @@ def main() -> None:
                else "cpu", "train_tokens": len(train_tokens), "eval_tokens": len(eval_tokens), "stages": []}
     series, offset = [], 0
     colors = {"dense": (200, 40, 40), "warmup": (30, 150, 30), "sparse": (40, 40, 200)}
-    for stage, steps, lr, seconds in STAGES:
+    for stage, steps, lr, seconds, mtp_weight in STAGES:
         cfg = TrainConfig(stage=stage, steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
-                          time_limit_s=seconds * args.time_scale, **common)
+                          time_limit_s=seconds * args.time_scale, mtp_loss_weight=mtp_weight, **common)
         shutil.rmtree(work / stage, ignore_errors=True)
         trainer = Trainer(model, train_tokens, eval_tokens, cfg, work / stage, tokenizer_dir, device)
         started = time.perf_counter()
@@ -168,6 +200,8 @@ def main() -> None:
     save_model(model, output, tokenizer_dir, dtype=torch.bfloat16, max_shard_bytes=15 << 20)
     save_loss_png(work / "loss.png", series)
     summary["held_out"] = held_out_losses(output, eval_tokens, common["seq_len"], device)
+    summary["acceptance"] = acceptance_rates(output, eval_tokens, device, args.smoke)
+    logger.info("speculative decoding acceptance on held-out prompts: %s", summary["acceptance"])
     try:
         summary["sample"] = sample(output, device)
     except Exception as e:  # the sample documents the model; a failure must not lose the training

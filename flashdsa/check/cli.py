@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from flashdsa.check.layerwise import THRESHOLDS, compare, format_report, load_hf_reference, run_flashdsa, run_hf
+from flashdsa.check.mtp import compare_mtp, flashdsa_mtp, format_mtp, mtp_failures, reference_mtp
+from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.caches import MODES
 from flashdsa.runtime.parallel.launcher import load
 from flashdsa.runtime.parallel.plan_command import add_parallel_arguments, parallel_config
@@ -40,14 +42,18 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config(args, "check")
     ids = prompt_tokens(args.model, args.tokens).to(args.device)
     hf_run = run_hf(load_hf_reference(args.model, args.device), ids)
+    has_mtp = DeepseekV32Config.from_json(args.model).num_nextn_predict_layers > 0
     try:
-        model = load(args.model, parallel, args.device, args.mode)
+        model = load(args.model, parallel, args.device, args.mode, mtp=has_mtp and parallel.tensor_parallel_size == 1)
     except ValueError as exc:
         raise SystemExit(f"flashdsa check: {exc}")
-    ours = run_flashdsa(model, ids.to(model.device))
-    report = compare(hf_run, ours, args.mode)
+    report = compare(hf_run, run_flashdsa(model, ids.to(model.device)), args.mode)
     print(format_report(report))
     failures = report.failures(args.mode)
+    if model.has_mtp:  # the MTP layer (one process only), against the paper's equations around HF's layer
+        result = compare_mtp(reference_mtp(args.model, ids, args.device), flashdsa_mtp(model, ids))
+        print(format_mtp(result))
+        failures += mtp_failures(result, THRESHOLDS[args.mode])
     limits = ", ".join(f"{k} {v}" for k, v in THRESHOLDS[args.mode].items())
     if failures:
         print(f"FAIL ({args.mode} thresholds: {limits})")

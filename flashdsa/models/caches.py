@@ -40,8 +40,10 @@ class ModelCaches:
         return self.mla[0].shape[1]
 
 
-def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, device: torch.device) -> ModelCaches:
-    layers = range(config.num_hidden_layers)
+def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, device: torch.device,
+                    num_layers: int | None = None) -> ModelCaches:
+    """Pools for ``num_layers`` layers (default the main stack; the MTP layer adds one)."""
+    layers = range(config.num_hidden_layers if num_layers is None else num_layers)
     if mode == "production":
         return ModelCaches(
             [mla_pool(num_blocks, device) for _ in layers], [indexer_pool(num_blocks, device) for _ in layers]
@@ -53,13 +55,13 @@ def allocate_caches(config: DeepseekV32Config, mode: str, num_blocks: int, devic
     )
 
 
-def cache_bytes_per_block(config: DeepseekV32Config, mode: str) -> int:
-    """Bytes one 64-token block takes over all layers, both caches."""
+def cache_bytes_per_block(config: DeepseekV32Config, mode: str, num_layers: int | None = None) -> int:
+    """Bytes one 64-token block takes over ``num_layers`` layers (default the main stack), both caches."""
     if mode == "production":
         per_token = MLA_TOKEN_BYTES + INDEXER_TOKEN_BYTES
     else:
         per_token = 4 * (config.d_qk + config.index_head_dim)
-    return config.num_hidden_layers * BLOCK_SIZE * per_token
+    return (config.num_hidden_layers if num_layers is None else num_layers) * BLOCK_SIZE * per_token
 
 
 def store_latent(pool: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slots: torch.Tensor) -> None:

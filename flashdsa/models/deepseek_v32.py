@@ -200,18 +200,44 @@ class DeepseekV32ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the multi-token-prediction layer is loaded (``models/mtp.py``)."""
+        return hasattr(self.model, "mtp")
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers with caches: the main stack, plus the MTP layer when loaded (its pools come last)."""
+        return self.config.num_hidden_layers + self.has_mtp
+
     def allocate_caches(self, num_blocks: int) -> ModelCaches:
-        return allocate_caches(self.config, self.mode, num_blocks, self.device)
+        return allocate_caches(self.config, self.mode, num_blocks, self.device, self.num_cache_layers)
 
     def cache_bytes_per_block(self) -> int:
-        return cache_bytes_per_block(self.config, self.mode)
+        return cache_bytes_per_block(self.config, self.mode, self.num_cache_layers)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: ModelCaches) -> torch.Tensor:
-        """input_ids: [T] int64 -> logits [len(meta.logits_indices), vocab] fp32."""
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: ModelCaches,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids: [T] int64 -> logits [len(meta.logits_indices), vocab] fp32; with
+        ``return_hidden`` also every token's final-normed hidden state [T, hidden] (the MTP input)."""
         rope = self.rotary.at(meta.positions, fused=self.mode == "production")  # one kernel a rotation
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, meta, caches.mla[i], caches.indexer[i])
-        h = self.model.norm(h[meta.logits_indices])
-        return self.lm_head(h).float()
+        if return_hidden:
+            h = self.model.norm(h)
+            return self.lm_head(h[meta.logits_indices]).float(), h
+        return self.lm_head(self.model.norm(h[meta.logits_indices])).float()
+
+    @torch.no_grad()
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: BatchMetadata,
+                    caches: ModelCaches) -> torch.Tensor:
+        """The MTP layer over a step: ``input_ids: [T]`` holds t_{i+1} for the token at position i,
+        ``hidden: [T, hidden]`` the main model's h_i -> draft logits [len(meta.logits_indices), vocab]
+        fp32 (predicting t_{i+2}). Writes the MTP layer's caches (the last pools). Graph-capturable."""
+        mtp, last = self.model.mtp, self.config.num_hidden_layers
+        rope = self.rotary.at(meta.positions, fused=self.mode == "production")
+        h = mtp(mtp.combine(self.model.embed_tokens(input_ids), hidden), rope, meta, caches.mla[last],
+                caches.indexer[last])
+        return self.lm_head(mtp.shared_head.norm(h[meta.logits_indices])).float()

@@ -4,7 +4,8 @@ Single files (``model.safetensors``) and shards (``model.safetensors.index.json`
 file at a time. Tensor names are the checkpoint's own. FP8 e4m3 weights come with a
 ``<name>_scale_inv`` fp32 tensor holding one scale per 128x128 block; they stay e4m3 in memory
 (w = e4m3 * scale per GEMM), except the few layers ``FP8_EXEMPT`` keeps in floating point. The
-multi-token-prediction layers stored after the main stack are skipped.
+multi-token-prediction layer stored after the main stack is loaded with ``mtp=True`` (as
+``model.mtp``, see ``models/mtp.py``) and skipped otherwise.
 
 Under tensor/expert parallelism each rank reads only its own slices (``safe_open(...).get_slice``,
 see ``flashdsa.runtime.parallel.sharding``), an FP8 weight together with the rows/columns of its
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.mtp import add_mtp_layer, model_name
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_weight
 from flashdsa.runtime.parallel.shard import Shard
@@ -83,9 +85,10 @@ def _read_slice(f, name: str, at: Placement, scale_of=None, block: tuple[int, in
     return dequantize_blocks(t, scale, block)[inner], None
 
 
-def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard = Shard()):
+def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard = Shard(), mtp: bool = False):
     """Yield ``(name, tensor, scale_inv or None)`` for every main-model weight of the checkpoint, as
-    stored (an e4m3 weight's scale may sit in another shard); MTP layers skipped (logged once).
+    stored (an e4m3 weight's scale may sit in another shard); with ``mtp`` also the first MTP
+    layer's, under the model's names (``model.mtp.*``). Skipped tensors are logged once.
     With a ``shard``, only this rank's part of each tensor is read, under the model's name for it."""
     path = Path(path)
     files = checkpoint_files(path)
@@ -99,14 +102,15 @@ def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard =
         with safe_open(file, framework="pt") as f:
             for name in sorted(f.keys()):
                 layer = _LAYER.match(name)
-                if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                own = model_name(name, config) if mtp else name
+                if own is None or (layer and int(layer.group(1)) >= config.num_hidden_layers and not mtp):
                     skipped += 1
                     continue
                 if name.endswith(SCALE_SUFFIX):
                     if name[: -len(SCALE_SUFFIX)] not in where:
                         raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
                     continue
-                at = placement(name, f.get_slice(name).get_shape(), shard, config.n_routed_experts)
+                at = placement(own, f.get_slice(name).get_shape(), shard, config.n_routed_experts)
                 if at is None:  # another rank's expert
                     continue
                 scale_of = None
@@ -117,7 +121,8 @@ def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard =
                 t, scale = _read_slice(f, name, at, scale_of, block)
                 yield at.name, t, scale
     if skipped:
-        logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not used for generation)", skipped)
+        logger.info("skipped %d tensors of the multi-token-prediction layer(s)%s", skipped,
+                    " (copies of the embedding and lm_head, deeper MTP layers)" if mtp else " (not loaded)")
 
 
 def _scale_reader(file: Path, name: str):
@@ -128,11 +133,12 @@ def _scale_reader(file: Path, name: str):
     return read
 
 
-def read_tensors(path: str | Path, config: DeepseekV32Config | None = None):
-    """Yield ``(name, tensor)`` for every main-model tensor, FP8 weights dequantized to fp32."""
+def read_tensors(path: str | Path, config: DeepseekV32Config | None = None, mtp: bool = False):
+    """Yield ``(name, tensor)`` for every main-model tensor (with ``mtp`` the MTP layer's too, as in
+    :func:`read_raw_tensors`), FP8 weights dequantized to fp32."""
     config = config or DeepseekV32Config.from_json(path)
     block = config.weight_block_size or (128, 128)
-    for name, t, scale in read_raw_tensors(path, config):
+    for name, t, scale in read_raw_tensors(path, config, mtp=mtp):
         yield name, (t if scale is None else dequantize_blocks(t, scale, block))
 
 
@@ -165,9 +171,10 @@ def _copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.T
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", mode: str = "production", quantization: str | None = None,
-    shard: Shard = Shard(),
+    shard: Shard = Shard(), mtp: bool = False,
 ) -> DeepseekV32ForCausalLM:
-    """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``.
+    """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``; with ``mtp``
+    also its multi-token-prediction layer (ValueError if the checkpoint has none).
 
     FP8 checkpoints keep their e4m3 weights and scales (one byte a weight in memory); a bf16
     checkpoint is quantized to them at load with ``quantization="fp8"``. The weights stream one
@@ -177,10 +184,15 @@ def load_model(
     """
     path = Path(path)
     config = DeepseekV32Config.from_json(path)
+    if mtp and config.num_nextn_predict_layers < 1:
+        raise ValueError(f"checkpoint {path} has no multi-token-prediction layer (num_nextn_predict_layers 0): "
+                         "train one with `flashdsa finetune --add-mtp-layer`")
     if quantization is None and checkpoint_is_fp8(path):
         quantization = "fp8"
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, mode, quantization, shard)
+        if mtp:
+            add_mtp_layer(model)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t.data = t.data.to(model.param_dtype(name, t.dtype))
     model.to_empty(device=device)
@@ -188,7 +200,7 @@ def load_model(
     dests = model.state_dict(keep_vars=True)  # checkpoint names -> views of the model's storage
     expected = {n for n in dests if not n.endswith(SCALE_SUFFIX)}
     loaded, unexpected, misshaped = set(), [], []
-    for name, t, scale in read_raw_tensors(path, config, shard):
+    for name, t, scale in read_raw_tensors(path, config, shard, mtp):
         if name not in expected:
             unexpected.append(name)
         elif t.shape != dests[name].shape:

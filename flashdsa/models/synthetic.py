@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.mtp import add_mtp_layer, checkpoint_name
 from flashdsa.runtime.gemm import quantize_weight
 
 # Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
@@ -77,14 +78,21 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 @torch.no_grad()
 def write_random_checkpoint(path: str | Path, raw_config: dict, device: str | torch.device = "cpu",
-                            seed: int = 0) -> Path:
-    """Write config.json, one shard per layer (FP8 where the official checkpoint is) and a tokenizer."""
+                            seed: int = 0, mtp: bool = False) -> Path:
+    """Write config.json, one shard per layer (FP8 where the official checkpoint is) and a tokenizer;
+    ``mtp`` adds a multi-token-prediction layer (without the copies of the embedding and lm_head,
+    which the loader does not read)."""
     path, device = Path(path), torch.device(device)
     path.mkdir(parents=True, exist_ok=True)
     config = DeepseekV32Config.from_dict(raw_config)
     fp8 = bool(raw_config.get("quantization_config"))
+    if mtp:
+        raw_config = {**raw_config, "num_nextn_predict_layers": 1}
     with torch.device("meta"):
-        shapes = {n: t.shape for n, t in DeepseekV32ForCausalLM(config, "production").state_dict().items()}
+        model = DeepseekV32ForCausalLM(config, "production")
+        if mtp:
+            add_mtp_layer(model)
+        shapes = {checkpoint_name(n, config): t.shape for n, t in model.state_dict().items()}
     groups: dict[str, list[str]] = {}
     for name in shapes:
         parts = name.split(".")

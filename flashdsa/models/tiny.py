@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.mtp import add_mtp_layer, checkpoint_tensors
 from flashdsa.models.tiny_tokenizer import save_tokenizer
 from flashdsa.runtime.fp8 import E4M3, E4M3_MAX
 
@@ -50,11 +51,15 @@ def tiny_config(shrink: bool = False, vocab_size: int = 512) -> dict:
     return {**COMMON, **widths, "num_key_value_heads": widths["num_attention_heads"], "vocab_size": vocab_size}
 
 
-def random_weights(config: DeepseekV32Config, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor the model expects, bf16 (the correction bias fp32), with O(1) activations."""
+def random_weights(config: DeepseekV32Config, seed: int, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor the model expects (with ``mtp``, the MTP layer's too, under the checkpoint's
+    names), bf16 (the correction bias fp32), with O(1) activations."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in DeepseekV32ForCausalLM(config, "reference").state_dict().items()}
+        model = DeepseekV32ForCausalLM(config, "reference")
+        if mtp:
+            add_mtp_layer(model)
+        shapes = {name: t.shape for name, t in model.state_dict().items()}
     out = {}
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen)
@@ -72,7 +77,7 @@ def random_weights(config: DeepseekV32Config, seed: int) -> dict[str, torch.Tens
             if name.endswith(RESIDUAL_OUT):
                 w = w / math.sqrt(2 * config.num_hidden_layers)
         out[name] = w.to(torch.bfloat16)
-    return out
+    return checkpoint_tensors(model, out)
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +120,9 @@ def save_shards(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> No
 
 
 def make_tiny_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shrink: bool = False,
-                         shards: int = 1) -> Path:
-    """Write a tiny random DeepSeek-V3.2 checkpoint (config, weights, tokenizer) into ``path``."""
+                         shards: int = 1, mtp: bool = False) -> Path:
+    """Write a tiny random DeepSeek-V3.2 checkpoint (config, weights, tokenizer) into ``path``;
+    ``mtp`` adds a multi-token-prediction layer in the official layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = save_tokenizer(path)
@@ -124,7 +130,8 @@ def make_tiny_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, 
     if fp8:
         raw["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                           weight_block_size=[FP8_BLOCK, FP8_BLOCK])
-    weights = random_weights(DeepseekV32Config.from_dict(raw), seed)
+    raw["num_nextn_predict_layers"] = int(mtp)
+    weights = random_weights(DeepseekV32Config.from_dict(raw), seed, mtp)
     save_shards(path, to_fp8(weights) if fp8 else weights, shards)
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))

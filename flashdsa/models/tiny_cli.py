@@ -14,11 +14,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     parser.add_argument("--shrink", action="store_true", help="shrink every width (fast CPU tests; reference mode only)")
     parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (default 1)")
+    parser.add_argument("--mtp", action="store_true", help="add a multi-token-prediction layer (official layout)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.shards < 1:
         raise SystemExit("--shards must be at least 1")
-    path = make_tiny_checkpoint(args.dir, fp8=args.fp8, seed=args.seed, shrink=args.shrink, shards=args.shards)
+    path = make_tiny_checkpoint(args.dir, fp8=args.fp8, seed=args.seed, shrink=args.shrink, shards=args.shards,
+                                mtp=args.mtp)
     print(f"wrote a tiny DeepSeek-V3.2 checkpoint to {path}")
     return 0

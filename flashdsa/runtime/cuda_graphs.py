@@ -6,11 +6,12 @@ it: one host-to-device copy of the step's inputs and one graph launch instead of
 kernel launches. A step of B sequences replays the smallest bucket >= B; the rows past B are
 padding that writes no cache slot (slot -1) and reads block 0 (their outputs are dropped).
 
-Inputs live in one static int64 buffer, ``[ids | positions | context_lens | slots | block table]``,
-each field ``max_batch`` long and the table ``max_batch x max_blocks``, so the copy of a step is
-one prefix of it. The graph itself unpacks the buffer into the model's ``BatchMetadata``. The
-paged indexer scores ``max_model_len`` columns (fixed at capture); each row's top-k scans only its
-own context.
+Inputs live in one static int64 buffer, ``[ids | positions | slots | next_ids | context_lens |
+rows | block table]``, the per-token fields ``max_batch * q`` long (q tokens per sequence: 1, or 2
+with speculative decoding), the per-sequence ones ``max_batch`` and the table ``max_batch x
+max_blocks``, so the copy of a step is one prefix of it. The graph itself unpacks the buffer into
+the model's ``BatchMetadata``. The paged indexer scores ``max_model_len`` columns (fixed at
+capture); each row's top-k scans only its own context.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from flashdsa.runtime.metadata import BatchMetadata
 
 logger = logging.getLogger(__name__)
 
-FIELDS = 4  # ids, positions, context_lens, slots
-
 
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to ``max_batch`` (and ``max_batch`` itself)."""
@@ -35,20 +34,37 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards of ``model`` over ``caches`` for batches up to ``max_batch``."""
+    """Captured decode forwards of ``model`` over ``caches`` for batches up to ``max_batch``.
 
-    def __init__(self, model: torch.nn.Module, caches, max_batch: int, max_model_len: int, device: torch.device):
-        self.model, self.caches, self.device = model, caches, device
+    With ``speculative`` every sequence runs two tokens (its last one and the MTP layer's draft),
+    the forward also returns the hidden states, and a second graph per bucket runs the MTP layer
+    over them (:meth:`replay_draft`)."""
+
+    def __init__(self, model: torch.nn.Module, caches, max_batch: int, max_model_len: int, device: torch.device,
+                 speculative: bool = False):
+        self.model, self.caches, self.device, self.speculative = model, caches, device, speculative
         self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.q = 2 if speculative else 1  # tokens per sequence
         self.block_size = caches.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.table_offset = FIELDS * max_batch
+        mq = max_batch * self.q
+        # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table
+        sizes = {"ids": mq, "positions": mq, "slots": mq, "next_ids": mq, "context_lens": max_batch,
+                 "rows": max_batch}
+        self.offsets, offset = {}, 0
+        for name, size in sizes.items():
+            self.offsets[name] = offset
+            offset += size
+        self.table_offset = offset
         size = self.table_offset + max_batch * self.max_blocks
         self.staging = torch.zeros(size, dtype=torch.int64).pin_memory()
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.draft_outputs: dict[int, torch.Tensor] = {}
         self.buckets = batch_buckets(max_batch)
+        self.batch = 0  # sequences of the last replay
 
     def can_run(self, batch: int, max_context_len: int) -> bool:
         return batch <= self.max_batch and max_context_len <= self.max_model_len
@@ -67,19 +83,28 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[batch] = self._forward(batch)
             self.graphs[batch] = graph
+            if self.speculative:
+                self._draft_forward(batch)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.draft_outputs[batch] = self._draft_forward(batch)
+                self.draft_graphs[batch] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch %s) in %.1f s, %.2f GiB of graph memory",
-                    len(self.graphs), self.buckets, time.perf_counter() - start,
-                    (torch.cuda.memory_reserved(self.device) - before) / 2**30)
+        logger.info("captured %d decode CUDA graphs (batch %s, %d tokens each%s) in %.1f s, %.2f GiB of graph memory",
+                    len(self.graphs), self.buckets, self.q, ", with the MTP layer" if self.speculative else "",
+                    time.perf_counter() - start, (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
-    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Logits ``[B, vocab]`` fp32 of a decode step whose host-side inputs are ``input_ids: [B]``
-        and ``meta`` (CPU tensors). Valid until the next replay."""
-        batch = input_ids.shape[0]
+    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata):
+        """Logits ``[B * q, vocab]`` fp32 (speculative: and the hidden states ``[B * q, hidden]``) of
+        a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors).
+        Valid until the next replay."""
+        batch = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= batch)
-        mb, s = self.max_batch, self.staging
-        for i, field in enumerate((input_ids, meta.positions, meta.context_lens, meta.slot_mapping)):
-            s[i * mb : i * mb + batch] = field
+        s, n = self.staging, batch * self.q
+        for name, field in (("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
+                            ("context_lens", meta.context_lens)):
+            s[self.offsets[name] : self.offsets[name] + field.numel()] = field
         table = s[self.table_offset : self.table_offset + bucket * self.max_blocks].view(bucket, self.max_blocks)
         table[:batch].fill_(-1)
         table[:batch, : meta.block_tables.shape[1]] = meta.block_tables
@@ -87,27 +112,59 @@ class DecodeGraphs:
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:batch]
+        self.batch = batch
+        out = self.outputs[bucket]
+        return (out[0][:n], out[1][:n]) if self.speculative else out[:n]
+
+    def replay_draft(self, next_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Draft logits ``[len(rows), vocab]`` of the MTP layer after the last :meth:`replay`:
+        ``next_ids: [B * q]`` the token after each of its tokens, ``rows`` one flat token per sequence."""
+        bucket = next(b for b in self.buckets if b >= self.batch)
+        s = self.staging
+        s[self.offsets["next_ids"] : self.offsets["next_ids"] + next_ids.numel()] = next_ids
+        s[self.offsets["rows"] : self.offsets["rows"] + len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        self.inputs[: self.table_offset].copy_(s[: self.table_offset], non_blocking=True)
+        self.draft_graphs[bucket].replay()
+        return self.draft_outputs[bucket][: len(rows)]
 
     def _fill_padding(self, first: int, last: int) -> None:
-        """Rows [first, last): token 0 at position 0 of a one-token context in block 0, writing nothing."""
-        mb, s = self.max_batch, self.staging
-        for i, value in enumerate((0, 0, 1, -1)):
-            s[i * mb + first : i * mb + last] = value
+        """Sequences [first, last): token 0 at positions 0.. of a q-token context in block 0,
+        writing nothing; their draft row is their first token."""
+        s, q = self.staging, self.q
+        for name, value in (("ids", 0), ("positions", None), ("slots", -1), ("next_ids", 0)):
+            field = s[self.offsets[name] + first * q : self.offsets[name] + last * q]
+            field.copy_(torch.arange(q).repeat(last - first) if value is None else torch.full_like(field, value))
+        s[self.offsets["context_lens"] + first : self.offsets["context_lens"] + last] = q
+        s[self.offsets["rows"] + first : self.offsets["rows"] + last] = torch.arange(first, last) * q
         s[self.table_offset + first * self.max_blocks : self.table_offset + last * self.max_blocks] = 0
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        """The model's decode forward over the first ``batch`` rows of the static inputs."""
-        mb, x = self.max_batch, self.inputs
-        rows = torch.arange(batch, device=self.device)
-        table = x[self.table_offset : self.table_offset + batch * self.max_blocks].view(batch, self.max_blocks)
-        meta = BatchMetadata(
-            positions=x[mb : mb + batch], seq_ids=rows, query_start_loc=torch.arange(batch + 1, device=self.device,
-                                                                                     dtype=torch.int32),
-            context_lens=x[2 * mb : 2 * mb + batch].to(torch.int32), slot_mapping=x[3 * mb : 3 * mb + batch],
-            block_tables=table.to(torch.int32), logits_indices=rows,
-            query_lens=(1,) * batch, context_lens_host=(self.max_model_len,) * batch,
+    def _field(self, name: str, length: int) -> torch.Tensor:
+        return self.inputs[self.offsets[name] : self.offsets[name] + length]
+
+    def _meta(self, batch: int) -> BatchMetadata:
+        """The static inputs' first ``batch`` sequences as the model's BatchMetadata (device tensors)."""
+        q, n = self.q, batch * self.q
+        table = self.inputs[self.table_offset : self.table_offset + batch * self.max_blocks].view(batch, self.max_blocks)
+        return BatchMetadata(
+            positions=self._field("positions", n),
+            seq_ids=torch.arange(batch, device=self.device).repeat_interleave(q),
+            query_start_loc=torch.arange(batch + 1, device=self.device, dtype=torch.int32) * q,
+            context_lens=self._field("context_lens", batch).to(torch.int32), slot_mapping=self._field("slots", n),
+            block_tables=table.to(torch.int32), logits_indices=torch.arange(n, device=self.device),
+            query_lens=(q,) * batch, context_lens_host=(self.max_model_len,) * batch,
             max_context_len=self.max_model_len,
         )
+
+    def _forward(self, batch: int):
+        """The model's decode forward over the first ``batch`` sequences of the static inputs."""
+        kwargs = {"return_hidden": True} if self.speculative else {}
         with trusted_values():
-            return self.model(x[:batch], meta, self.caches)
+            return self.model(self._field("ids", batch * self.q), self._meta(batch), self.caches, **kwargs)
+
+    def _draft_forward(self, batch: int) -> torch.Tensor:
+        """The MTP layer over the same tokens, from the captured forward's hidden states."""
+        meta = self._meta(batch)
+        meta.logits_indices = self._field("rows", batch)
+        with trusted_values():
+            return self.model.mtp_forward(self._field("next_ids", batch * self.q), self.outputs[batch][1], meta,
+                                          self.caches)

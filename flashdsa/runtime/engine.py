@@ -4,7 +4,8 @@
 samples the sequences whose chunk reached their end, checks the stop conditions and returns a
 `RequestOutput` per request that advanced. Errors stay with their request: a failing forward is
 retried one request at a time, a failing sampler row, prompt-logprob pass or detokenizer fails
-its request alone, and the engine keeps going.
+its request alone, and the engine keeps going. With ``speculative_tokens=1`` a decode step also
+verifies each sequence's draft and the MTP layer drafts the next (``runtime/speculative.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from flashdsa.runtime.checks import check
 from flashdsa.runtime.detokenizer import Detokenizer
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits
 from flashdsa.runtime.sampler import sample_each, token_logprobs
+from flashdsa.runtime.speculative import mtp_inputs, sample_step
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from flashdsa.runtime.sequence import BLOCK_SIZE, RequestOutput, Sequence, TokenLogprobs
@@ -38,6 +40,7 @@ class EngineConfig:
     cache_fraction: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    speculative_tokens: int = 0  # 1: draft one token per step with the MTP layer (speculative decoding)
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -45,6 +48,7 @@ class EngineConfig:
         check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
         check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
         check(0 < self.cache_fraction <= 1, f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
+        check(self.speculative_tokens in (0, 1), f"speculative_tokens must be 0 or 1, got {self.speculative_tokens}")
 
 
 def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
@@ -63,6 +67,9 @@ def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: Optional[EngineConfig] = None) -> None:
         self.config = config or EngineConfig()
+        if self.config.speculative_tokens and not getattr(model, "has_mtp", False):
+            raise ValueError("speculative_tokens=1 needs the model's multi-token-prediction layer: load it with "
+                             "load_model(..., mtp=True) from a checkpoint that has one")
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
@@ -78,7 +85,9 @@ class LLMEngine:
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.block_manager
         )
         self.runner = ModelRunner(model, self.num_blocks, self.device, self.config.max_num_seqs, max_len,
-                                  self.config.enforce_eager)
+                                  self.config.enforce_eager, speculative=self.config.speculative_tokens > 0)
+        self.num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
+        self.num_accepted_tokens = 0  # of which accepted
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.detokenizers: dict[str, Detokenizer] = {}
         self.last_token_time: dict[str, float] = {}
@@ -155,7 +164,8 @@ class LLMEngine:
 
     def _process(self, chunks: list[ScheduledChunk], step_logits: StepLogits) -> list[RequestOutput]:
         """Advance the chunks that ran: prompt logprobs, computed tokens, then one token for each
-        sequence whose chunk reached its end (a prompt-only request finishes there instead)."""
+        sequence whose chunk reached its end (two when its draft is accepted; a prompt-only request
+        finishes there instead); with speculation the MTP layer then drafts the next tokens."""
         outputs, sampling = [], []
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
@@ -170,23 +180,56 @@ class LLMEngine:
             if chunk.samples and seq.max_tokens == 0:
                 seq.finish("length")
                 outputs.append(self._output(seq, [], "", []))
-            elif chunk.samples:
-                sampling.append((seq, step_logits.row_start[i] + step_logits.num_rows[i] - 1))
-        seqs = [seq for seq, _ in sampling]
-        results = []
-        if seqs:
-            bitmask = self.grammars.bitmask([seq.matcher for seq in seqs], self.device)
-            results = sample_each(step_logits.logits[[row for _, row in sampling]], seqs, bitmask)
-        for seq, result in zip(seqs, results):
+            elif chunk.samples:  # its last token's row (a draft's row follows it)
+                sampling.append((chunk, step_logits.row_start[i] + step_logits.num_rows[i] - 1 - (chunk.draft is not None)))
+        results = self._sample([c for c, _ in sampling], step_logits.logits, [row for _, row in sampling])
+        if self.runner.speculative:
+            self._draft(chunks, {id(c.seq): r[0] for (c, _), r in zip(sampling, results) if not isinstance(r, Exception)})
+        for (chunk, _), result in zip(sampling, results):
+            seq = chunk.seq
             if isinstance(result, Exception):
                 outputs.append(self._fail(seq, f"sampling failed: {result}"))
                 continue
             try:
-                outputs.append(self._append_token(seq, *result))
+                outputs.append(self._append_tokens(seq, *result))
             except Exception as exc:
                 logger.exception("request %s failed", seq.request_id)
                 outputs.append(self._fail(seq, str(exc)))
         return outputs
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: list[int]) -> list:
+        """Per chunk: (its new tokens, their logprobs), or the Exception that failed its request.
+        Drafts are verified when there are any; should that fail, every draft counts as rejected
+        and the rows are sampled as without speculation (still the model's distribution)."""
+        if not chunks:
+            return []
+        seqs = [c.seq for c in chunks]
+        bitmask = self.grammars.bitmask([seq.matcher for seq in seqs], self.device)
+        if any(c.draft is not None for c in chunks):
+            try:
+                step = sample_step(logits, rows, chunks, bitmask)
+            except Exception:
+                logger.exception("verifying %d drafts failed; sampling without them", len(chunks))
+            else:
+                self.num_draft_tokens += step.num_drafts
+                for j in step.accepted:
+                    seqs[j].num_computed_tokens += 1  # the accepted draft is in the cache already
+                self.num_accepted_tokens += len(step.accepted)
+                return list(zip(step.tokens, step.logprobs))
+        return [r if isinstance(r, Exception) else ([r[0]], [r[1]]) for r in sample_each(logits[rows], seqs, bitmask)]
+
+    def _draft(self, chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]) -> None:
+        """Run the MTP layer over the step and set the next draft of every sequence that sampled
+        (none where the draft's position would pass max_model_len). Drafts only save time: if the
+        MTP layer fails, the sequences go on without one."""
+        next_ids, rows, owners = mtp_inputs(chunks, new_tokens)
+        try:
+            drafts = self.runner.draft(next_ids, rows)
+        except Exception:
+            logger.exception("the MTP layer failed; this step drafts nothing")
+            drafts = [None] * len(owners)
+        for (seq, length), draft in zip(owners, drafts):
+            seq.draft_token = draft if length < self.max_model_len else None
 
     def _add_prompt_logprobs(self, chunk: ScheduledChunk, step_logits: StepLogits, i: int) -> None:
         seq = chunk.seq
@@ -200,7 +243,18 @@ class LLMEngine:
         found = token_logprobs(step_logits.logits[first : first + count], targets, [seq.params.prompt_logprobs] * count)
         seq.prompt_logprobs.extend(found)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: Optional[TokenLogprobs]) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[Optional[TokenLogprobs]]) -> RequestOutput:
+        """Append the step's tokens, up to the one that finishes the sequence, as one output."""
+        text, kept = "", 0
+        for token in tokens:
+            text += self._append_token(seq, token)
+            kept += 1
+            if seq.is_finished:
+                break
+        return self._output(seq, tokens[:kept], text, [lp for lp in logprobs[:kept] if lp is not None])
+
+    def _append_token(self, seq: Sequence, token: int) -> str:
+        """Append one token and apply the stop conditions; the text it adds."""
         seq.append_token(token)
         params = seq.params
         grammar_ended = seq.matcher is not None and advance(seq.matcher, token)
@@ -218,7 +272,7 @@ class LLMEngine:
             stop = detok.add_token(token, final=seq.is_finished, find_stop=stoppable)
             if stop is not None:
                 seq.finish("stop", stop)
-        return self._output(seq, [token], detok.delta(seq.is_finished), [logprobs] if logprobs is not None else [])
+        return detok.delta(seq.is_finished)
 
     def _output(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprobs]) -> RequestOutput:
         """The RequestOutput of what this step added to seq; a finished seq leaves the engine."""

@@ -48,7 +48,8 @@ class LLM:
     pass its tokenizer); ``quantization="fp8"`` stores a bf16 checkpoint's linear layers as FP8;
     ``tensor_parallel_size=N`` runs it on N ranks (one process each; this one is rank 0), with
     the routed experts split over them under ``enable_expert_parallel``; engine options
-    (max_num_seqs, num_blocks, enforce_eager, ...) go to EngineConfig."""
+    (max_num_seqs, num_blocks, enforce_eager, speculative_tokens, ...) go to EngineConfig;
+    ``speculative_tokens=1`` also loads the checkpoint's MTP layer."""
 
     def __init__(
         self,
@@ -70,7 +71,7 @@ class LLM:
 
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model))
             parallel = ParallelConfig(tensor_parallel_size, enable_expert_parallel)
-            model = load(model, parallel, device, mode, quantization)
+            model = load(model, parallel, device, mode, quantization, mtp=engine_options.get("speculative_tokens", 0) > 0)
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, EngineConfig(**engine_options))
 

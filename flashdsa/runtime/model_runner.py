@@ -3,7 +3,9 @@
 Decode steps replay CUDA graphs (``cuda_graphs.DecodeGraphs``) on CUDA in production mode unless
 ``enforce_eager``; prefill and mixed steps, and reference mode, run eagerly. Under tensor
 parallelism the runner of rank 0 sends each step's inputs to the other ranks' runners
-(``runtime.parallel.steps``), which execute the same step (the same graph) on their shard."""
+(``runtime.parallel.steps``), which execute the same step (the same graph) on their shard. With
+speculative decoding (one GPU) the runner keeps each step's final hidden states, and
+:meth:`ModelRunner.draft` runs the MTP layer over the same tokens to draft the next ones."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ class StepLogits:
     """logits: [N, vocab] fp32; chunk i's rows are logits[row_start[i] : row_start[i] + num_rows[i]].
 
     A chunk that samples has its sampling row last; a chunk that wants prompt logprobs has one
-    row per token it ran (row j predicts the token after position chunk.start + j).
+    row per token it ran (row j predicts the token after position chunk.start + j); a chunk with
+    a draft has two rows: its last token's, then the draft's.
     """
 
     logits: torch.Tensor
@@ -43,38 +46,47 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
         first = len(ids)
         ids += chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
         row_start.append(len(logits_indices))
-        if chunk.seq.wants_prompt_logprobs:
+        if chunk.draft is not None:
+            ids.append(chunk.draft)
+            logits_indices += [len(ids) - 2, len(ids) - 1]
+        elif chunk.seq.wants_prompt_logprobs:
             logits_indices += range(first, len(ids))
         elif chunk.samples:
             logits_indices.append(len(ids) - 1)
         num_rows.append(len(logits_indices) - row_start[-1])
     width = max(len(c.seq.block_table) for c in chunks)
     tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks], dtype=torch.int32)
-    meta = BatchMetadata.for_step([c.start for c in chunks], [c.num_tokens for c in chunks], tables,
+    meta = BatchMetadata.for_step([c.start for c in chunks], [c.num_run for c in chunks], tables,
                                   torch.tensor(logits_indices, dtype=torch.int64))
     return torch.tensor(ids, dtype=torch.int64), meta, row_start, num_rows
 
 
 class ModelRunner:
-    """Owns the model and its paged caches (MLA latent + indexer keys, one block table)."""
+    """Owns the model and its paged caches (MLA latent + indexer keys, one block table; the MTP
+    layer's pools come last and share the block table, so they live and die with the blocks)."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, device: torch.device, max_num_seqs: int = 1,
-                 max_model_len: int = 0, enforce_eager: bool = True) -> None:
+                 max_model_len: int = 0, enforce_eager: bool = True, speculative: bool = False) -> None:
         self.model = model
         self.device = device
+        self.speculative = speculative
+        self.last: tuple[BatchMetadata | None, torch.Tensor] | None = None  # the step's metadata and hidden states
         shard = getattr(model, "shard", None)
+        if speculative and shard is not None and shard.size > 1:
+            raise ValueError("speculative decoding runs on one GPU: use tensor_parallel_size 1")
         self.leader = shard if shard is not None and shard.size > 1 and shard.rank == 0 else None
         if self.leader is not None:
             steps.send(self.leader, steps.RunnerSpec(num_blocks, max_num_seqs, max_model_len, enforce_eager))
         self.caches = model.allocate_caches(num_blocks)
         self.graphs = None
         if not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production":
-            self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device)
+            self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device, speculative)
             self.graphs.capture()
 
     def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
-        return StepLogits(self.forward(input_ids, meta, _is_decode(chunks)), row_start, num_rows)
+        decode = _is_decode(chunks, self.speculative)
+        return StepLogits(self.forward(input_ids, meta, decode), row_start, num_rows)
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False) -> torch.Tensor:
         """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
@@ -85,13 +97,39 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool) -> torch.Tensor:
         """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits)."""
-        if self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len):
-            return self.graphs.replay(input_ids, meta)
-        with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
-            logits = self.model(input_ids.to(self.device), meta.to(self.device), self.caches)
+        self.last = None
+        graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
+        if graph:
+            logits = self.graphs.replay(input_ids, meta)
+        else:
+            meta = meta.to(self.device)
+            kwargs = {"return_hidden": True} if self.speculative else {}
+            with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
+                logits = self.model(input_ids.to(self.device), meta, self.caches, **kwargs)
+        if self.speculative:
+            logits, hidden = logits
+            self.last = (None if graph else meta, hidden)
         return logits.float()
 
+    @torch.inference_mode()
+    def draft(self, next_ids: list[int], rows: list[int]) -> list[int]:
+        """The MTP layer's drafts after the last step: ``next_ids[j]`` is the token that follows
+        flat token j of that step (any id where unknown), ``rows`` the flat tokens whose drafts
+        are wanted. Returns one draft token per row (its argmax)."""
+        meta, hidden = self.last
+        ids = torch.tensor(next_ids, dtype=torch.int64)
+        if meta is None:  # the step ran as a CUDA graph: so does its MTP layer
+            logits = self.graphs.replay_draft(ids, rows)
+        else:
+            meta = BatchMetadata(**{**vars(meta), "logits_indices": torch.tensor(rows, dtype=torch.int64,
+                                                                                 device=self.device)})
+            with trusted_values():
+                logits = self.model.mtp_forward(ids.to(self.device), hidden, meta, self.caches)
+        return logits.argmax(dim=-1).tolist()
 
-def _is_decode(chunks: list[ScheduledChunk]) -> bool:
-    """Every sequence runs one token and samples it (one logits row each, in order)."""
-    return all(c.num_tokens == 1 and c.samples and not c.seq.wants_prompt_logprobs for c in chunks)
+
+def _is_decode(chunks: list[ScheduledChunk], speculative: bool = False) -> bool:
+    """Every sequence runs one token and samples it (one logits row each, in order), and with
+    speculation every one has a draft (two rows each)."""
+    return all(c.num_tokens == 1 and c.samples and not c.seq.wants_prompt_logprobs
+               and (c.draft is not None) == speculative for c in chunks)

@@ -131,26 +131,42 @@ def _exponential_noise(shape: torch.Size, seqs: list[Sequence], device: torch.de
     return q
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """logits: [N, vocab] fp32 raw model output, row i for seqs[i] -> next tokens [N] int64.
-
-    token_bitmask: [N, ceil(vocab / 32)] int32 on the logits' device, the tokens each row's grammar
-    allows (runtime/structured.py), or None.
-    """
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A copy of ``logits: [N, vocab]`` fp32 with the logit bias, penalties, the grammars' bitmask
+    and min_tokens applied."""
     logits = logits.clone()
     apply_logit_bias(logits, seqs)
     logits = apply_penalties(logits, seqs)
     if token_bitmask is not None:
         apply_bitmask(logits, token_bitmask)
     mask_until_min_tokens(logits, seqs)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution ``[N, vocab]`` a sampled row draws from: adjusted ``logits`` divided by the
+    temperature, filtered by top_k / top_p / min_p, softmaxed."""
+    temperature = _column([max(s.params.temperature, 1e-5) for s in seqs], torch.float32, logits.device)
+    return filter_top_k_top_p_min_p(logits / temperature, seqs).softmax(dim=1)
+
+
+def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One token per row of ``probs: [N, vocab]`` (exponential race; seeded rows use their generator)."""
+    return (probs / _exponential_noise(probs.shape, seqs, probs.device)).argmax(dim=1)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """logits: [N, vocab] fp32 raw model output, row i for seqs[i] -> next tokens [N] int64.
+
+    token_bitmask: [N, ceil(vocab / 32)] int32 on the logits' device, the tokens each row's grammar
+    allows (runtime/structured.py), or None.
+    """
+    logits = adjust_logits(logits, seqs, token_bitmask)
     greedy_tokens = logits.argmax(dim=1)
     if all(s.params.greedy for s in seqs):
         return greedy_tokens
-    device = logits.device
-    temperature = _column([max(s.params.temperature, 1e-5) for s in seqs], torch.float32, device)
-    probs = filter_top_k_top_p_min_p(logits / temperature, seqs).softmax(dim=1)
-    sampled = (probs / _exponential_noise(probs.shape, seqs, device)).argmax(dim=1)
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
+    sampled = draw(sampling_probs(logits, seqs), seqs)
+    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     return torch.where(greedy, greedy_tokens, sampled)
 
 

@@ -26,11 +26,18 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
-    """seq runs tokens [start, start + num_tokens) of seq.token_ids this step."""
+    """seq runs tokens [start, start + num_tokens) of seq.token_ids this step, then ``draft``
+    (speculative decoding: a guess of the token after them, verified by this step), if any."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    draft: Optional[int] = None
+
+    @property
+    def num_run(self) -> int:
+        """Tokens the forward runs for this chunk (the draft included)."""
+        return self.num_tokens + (self.draft is not None)
 
     @property
     def samples(self) -> bool:
@@ -62,15 +69,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
+            draft = seq.draft_token if num_tokens == len(seq) - seq.num_computed_tokens < budget else None
+            num_run = num_tokens + (draft is not None)
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_run):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
-                budget -= num_tokens
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, draft))
+                budget -= num_run
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -93,6 +102,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.draft_token = None  # the recompute drafts afresh
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

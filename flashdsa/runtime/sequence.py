@@ -89,6 +89,7 @@ class Sequence:
         self.sampler_tensors: dict[str, tuple[torch.Tensor, ...]] = {}  # built by the sampler, kept for the request's life
         self.generator: Optional[torch.Generator] = None
         self.matcher = None  # the xgrammar matcher of a structured-output request (engine-owned)
+        self.draft_token: Optional[int] = None  # the MTP layer's guess of the next token (speculative decoding)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults: 'auto' reads the model's generation_config.json, 'none' ignores it, "
                              "or a directory holding one")
     add_parallel_arguments(parser)
+    parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
+                        help="1: speculative decoding, one token drafted per step by the model's MTP layer")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config(args, "serve")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     try:
-        model = load(args.model, parallel, args.device, args.mode)
+        model = load(args.model, parallel, args.device, args.mode, mtp=args.speculative_tokens > 0)
     except ValueError as exc:
         raise SystemExit(f"flashdsa serve: {exc}")
     config = EngineConfig(
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         cache_fraction=args.cache_fraction,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative_tokens=args.speculative_tokens,
     )
     name = args.served_model_name or Path(args.model).name
     limits = RequestLimits(args.max_request_bytes, args.max_n, args.max_stop, args.max_logprob_entries)

@@ -1,8 +1,9 @@
 """Prometheus metrics of the server, in one registry per server (so tests can run several).
 
 Engine state (running and waiting requests, cache blocks, prefix-cache lookups, preemptions,
-aborted and failed requests) is read when /metrics is scraped; per-request figures (tokens,
-latencies) are recorded from the engine thread after each step.
+aborted and failed requests, speculative decoding's draft and accepted tokens with vLLM's meaning)
+is read when /metrics is scraped; per-request figures (tokens, latencies) are recorded from the
+engine thread after each step.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class _EngineCounters:
             ("num_preemptions", "Sequences preempted (recomputed later) for lack of cache blocks", scheduler.num_preemptions),
             ("request_aborted", "Requests dropped unfinished (client gone)", engine.num_aborted),
             ("request_failed", "Requests ended by an error in their processing", engine.num_failed),
+            ("spec_decode_num_draft_tokens", "Draft tokens of the MTP layer verified by the main model",
+             engine.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted", engine.num_accepted_tokens),
         ):
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
 

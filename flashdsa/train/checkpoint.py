@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from flashdsa.models.deepseek_v32 import FP32_PARAMS
+from flashdsa.models.mtp import checkpoint_tensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
@@ -35,15 +36,17 @@ def save_model(
 ) -> Path:
     """Write ``model``'s config, weights (``weights`` when given, e.g. gathered from FSDP shards,
     else its state dict; cast to ``dtype`` when given, fp32-only tensors stay fp32) and the
-    tokenizer files found in ``tokenizer_dir`` to ``output_dir``."""
+    tokenizer files found in ``tokenizer_dir`` to ``output_dir``. An MTP layer is written as the
+    official checkpoint stores it (``model.layers.{num_hidden_layers}.*``)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], **model.config.to_dict()}
+    config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], **model.config.to_dict(),
+              "num_nextn_predict_layers": int(model.has_mtp)}
     if dtype is not None:
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tensors = {}
-    for name, tensor in (model.state_dict() if weights is None else weights).items():
+    for name, tensor in checkpoint_tensors(model, model.state_dict() if weights is None else weights).items():
         keep = dtype is None or name.endswith(FP32_PARAMS)
         tensors[name] = tensor.detach().to("cpu", None if keep else dtype).contiguous()
     _save_sharded(tensors, output_dir, max_shard_bytes)

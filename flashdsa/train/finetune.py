@@ -10,6 +10,8 @@ writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (res
 
 trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
 batch, checkpoints and outputs as one process; rank 0 writes every file.
+A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
+gives a checkpoint without one a freshly initialised layer.
 """
 
 from __future__ import annotations
@@ -54,13 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, default=None, help="stop (resumably) after this many seconds")
     parser.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the final weights")
     parser.add_argument("--max-shard-mb", type=int, default=4096, help="largest safetensors shard in MiB")
+    parser.add_argument("--mtp-loss-weight", type=float, default=0.1,
+                        help="weight of the MTP layer's loss (default 0.1; DeepSeek-V3 used 0.3, then 0.1; 0: off)")
+    parser.add_argument("--add-mtp-layer", action="store_true",
+                        help="give a checkpoint without a multi-token-prediction layer a fresh one to train")
 
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from flashdsa.models.config import DeepseekV32Config
     from flashdsa.models.loader import load_model
+    from flashdsa.models.mtp import add_mtp_layer
     from flashdsa.train import checkpoint as ckpt
+    from flashdsa.train.init import initialize
     from flashdsa.train.data import read_documents, split_stream, token_stream
     from flashdsa.train.distributed import join, leave
     from flashdsa.train.loop import Trainer
@@ -70,14 +79,20 @@ def run(args: argparse.Namespace) -> int:
                       weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.kl_weight,
                       eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
                       checkpointing=args.gradient_checkpointing, seed=args.seed, backend=args.backend,
-                      keep_best=args.keep_best, time_limit_s=args.time_limit)
+                      keep_best=args.keep_best, time_limit_s=args.time_limit, mtp_loss_weight=args.mtp_loss_weight)
     world = join(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     device = world.device
     resume_from = ckpt.latest_checkpoint(args.output) if args.resume else None
     if args.resume and resume_from is None:
         raise SystemExit(f"--resume: no checkpoint under {Path(args.output) / ckpt.CHECKPOINTS}")
+    source = resume_from or args.model
+    has_mtp = DeepseekV32Config.from_json(source).num_nextn_predict_layers > 0
+    if args.add_mtp_layer and has_mtp and resume_from is None:
+        raise SystemExit(f"--add-mtp-layer: {args.model} already has a multi-token-prediction layer")
     # fp32 master weights; several ranks read them to host memory and shard them onto the device
-    model = load_model(resume_from or args.model, device=device if world.size == 1 else "cpu", mode="reference")
+    model = load_model(source, device=device if world.size == 1 else "cpu", mode="reference", mtp=has_mtp)
+    if args.add_mtp_layer and not has_mtp:
+        initialize(add_mtp_layer(model), seed=args.seed, depth=model.config.num_hidden_layers)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokens = token_stream(read_documents(args.data, tokenizer), tokenizer)
     train_tokens, eval_tokens = split_stream(tokens, args.eval_fraction, cfg.seq_len)

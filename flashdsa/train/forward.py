@@ -10,7 +10,9 @@ T = B * L tokens:
             detached) through the sparse kernels' autograd function
 
 The indexer (``flashdsa.train.indexer``) scores without Hadamard or FP8 (the reference
-computation), from detached inputs, so its KL loss trains the indexer alone.
+computation), from detached inputs, so its KL loss trains the indexer alone. Given the tokens that
+follow the inputs, the MTP layer (``models/mtp.py``) runs after the main stack on its final-normed
+hidden states, in the same attention mode, and returns its draft logits too.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ SHARDED_FORWARD = "sharded_training_forward"  # the method name FSDP2 wraps on s
 
 @dataclass
 class TrainOutput:
-    """logits: [B, L, vocab] fp32; indexer_kl: mean over layers of the indexer KL (None if not asked)."""
+    """logits: [B, L, vocab] fp32; indexer_kl: mean over layers (the MTP layer's included) of the
+    indexer KL (None if not asked); mtp_logits: [B, L, vocab] fp32, row i predicting token i + 2
+    (None without the MTP layer or ``next_ids``)."""
 
     logits: torch.Tensor
     indexer_kl: Optional[torch.Tensor]
+    mtp_logits: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -52,6 +57,7 @@ class _Step:
     dtype: torch.dtype  # dtype of q and kv handed to attention (bf16 on GPU)
     backend: Optional[str]
     checkpointing: bool  # recompute each layer in the backward
+    next_ids: Optional[torch.Tensor] = None  # [B, L]: the token after each input (runs the MTP layer)
 
 
 def training_forward(
@@ -62,6 +68,7 @@ def training_forward(
     checkpointing: bool = False,
     attention_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    next_ids: Optional[torch.Tensor] = None,
 ) -> TrainOutput:
     """Run ``model`` (a ``DeepseekV32ForCausalLM``) on ``input_ids: [B, L]`` int64 for training.
 
@@ -69,6 +76,7 @@ def training_forward(
     indexer_loss: also return the indexer KL (over all causal keys when dense, the selected ones when sparse).
     checkpointing: recompute each layer in the backward instead of keeping its activations.
     attention_dtype: dtype of q/kv in attention (default: bf16 on CUDA, else the weights' dtype).
+    next_ids: [B, L] int64, the token after each input token: runs the model's MTP layer too.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
@@ -79,7 +87,7 @@ def training_forward(
     weight_dtype = model.lm_head.weight.dtype
     default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
     step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
-                 attention_dtype or default_dtype, backend, checkpointing)
+                 attention_dtype or default_dtype, backend, checkpointing, next_ids)
     return _bound(model, model_forward)(input_ids, step)
 
 
@@ -89,18 +97,31 @@ def _bound(module, forward):
 
 
 def model_forward(model, input_ids: torch.Tensor, step: _Step) -> TrainOutput:
-    """Embedding, every layer, final norm and head over ``input_ids: [B, L]``."""
+    """Embedding, every layer, final norm and head over ``input_ids: [B, L]``; then, given
+    ``step.next_ids``, the MTP layer over the final-normed hidden states and the next tokens."""
     h = model.model.embed_tokens(input_ids.flatten())  # [T, hidden]
     losses = []
     for layer in model.model.layers:
-        forward = _bound(layer, layer_forward)
-        if step.checkpointing and torch.is_grad_enabled():
-            h, kl = checkpoint(forward, h, step, use_reentrant=False)
-        else:
-            h, kl = forward(h, step)
+        h, kl = _run_layer(layer, h, step)
         losses.append(kl)
-    logits = model.lm_head(model.model.norm(h)).float().view(step.batch, step.length, -1)
-    return TrainOutput(logits, torch.stack(losses).mean() if step.indexer_loss else None)
+    h = model.model.norm(h)
+    logits = model.lm_head(h).float().view(step.batch, step.length, -1)
+    mtp_logits = None
+    if step.next_ids is not None and model.has_mtp:
+        mtp = model.model.mtp
+        g, kl = _run_layer(mtp, mtp.combine(model.model.embed_tokens(step.next_ids.flatten()), h), step)
+        losses.append(kl)
+        mtp_logits = model.lm_head(mtp.shared_head.norm(g)).float().view(step.batch, step.length, -1)
+    return TrainOutput(logits, torch.stack(losses).mean() if step.indexer_loss else None, mtp_logits)
+
+
+def _run_layer(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer (its FSDP-sharded forward when wrapped), recomputed in the backward when
+    ``step.checkpointing``."""
+    forward = _bound(layer, layer_forward)
+    if step.checkpointing and torch.is_grad_enabled():
+        return checkpoint(forward, h, step, use_reentrant=False)
+    return forward(h, step)
 
 
 def layer_forward(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:

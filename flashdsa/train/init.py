@@ -7,11 +7,12 @@ from torch import nn
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+def initialize(model: nn.Module, seed: int = 0, std: float = 0.02, depth: int | None = None) -> nn.Module:
     """Normal(0, std) for matrices and embeddings, scaled by 1/sqrt(2 * layers) for the residual
-    outputs (o_proj, down_proj); ones for norm weights; zeros for biases and routing corrections."""
+    outputs (o_proj, down_proj); ones for norm weights; zeros for biases and routing corrections.
+    ``model`` is a whole model, or one layer (the MTP layer) with the model's ``depth`` given."""
     generator = torch.Generator().manual_seed(seed)
-    depth = len(model.model.layers)
+    depth = depth or len(model.model.layers)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if name.endswith("norm.weight"):
             value = torch.ones(tensor.shape)

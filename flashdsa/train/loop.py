@@ -6,6 +6,8 @@ Stages (DeepSeek-V3.2's recipe, plus ``dense`` for training a model from scratch
           indexer trains
   sparse  top-k attention through the sparse kernels; LM loss for the model plus the indexer
           KL over the selected keys, the indexer's inputs detached, so each learns from its own loss
+A model with an MTP layer adds its loss (predicting the token after next, weight
+``mtp_loss_weight``, as DeepSeek-V3) in the dense and sparse stages, and its indexer's KL.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ class TrainConfig:
     backend: Optional[str] = None  # sparse attention backend (None: the fastest available)
     keep_best: bool = False  # end with the weights of the best held-out loss (kept in <output>/best)
     time_limit_s: Optional[float] = None  # stop early (with a checkpoint) after this long
+    mtp_loss_weight: float = 0.1  # weight of the MTP layer's loss (DeepSeek-V3: 0.3, then 0.1); 0: not run
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         if self.steps < 1 or self.seq_len < 2 or self.batch_tokens < self.seq_len:
             raise ValueError(f"need steps >= 1, seq_len >= 2, batch_tokens >= seq_len; got {self.steps}, "
                              f"{self.seq_len}, {self.batch_tokens}")
@@ -96,16 +101,22 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
 
 
 def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "indexer_kl"} (the last two when the stage has them)."""
+    """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "mtp_loss", "indexer_kl"} (those the stage and
+    model have). The MTP loss covers the L - 1 positions whose token after next is in the batch."""
+    mtp = model.has_mtp and cfg.mtp_loss_weight > 0
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
         out = training_forward(model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
-                               checkpointing=cfg.checkpointing, backend=cfg.backend)
+                               checkpointing=cfg.checkpointing, backend=cfg.backend,
+                               next_ids=batch[:, 1:] if mtp else None)
     losses = {}
     if cfg.stage != "warmup":
         losses["lm_loss"] = lm_loss(out.logits, batch[:, 1:])
+        if out.mtp_logits is not None:
+            losses["mtp_loss"] = lm_loss(out.mtp_logits[:, :-1], batch[:, 2:])
     if out.indexer_kl is not None:
         losses["indexer_kl"] = out.indexer_kl
-    losses["loss"] = losses.get("lm_loss", 0.0) + cfg.kl_weight * losses.get("indexer_kl", 0.0)
+    losses["loss"] = (losses.get("lm_loss", 0.0) + cfg.mtp_loss_weight * losses.get("mtp_loss", 0.0)
+                      + cfg.kl_weight * losses.get("indexer_kl", 0.0))
     return losses
 
 
@@ -208,7 +219,8 @@ class Trainer:
         """Load the best weights (fp32, as saved) back into the model."""
         from flashdsa.models.loader import read_tensors
 
-        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config)) if self.world.is_main else {}
+        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config, self.model.has_mtp)) \
+            if self.world.is_main else {}
         self.world.load_model_state(self.model, best)
 
     def save_checkpoint(self) -> Path:

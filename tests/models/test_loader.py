@@ -88,7 +88,7 @@ def test_mtp_layer_is_skipped_with_one_log_line(shrunk, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="flashdsa.models.loader"):
         load_model(path, mode="reference")
     assert [r.message for r in caplog.records if "multi-token" in r.message] == [
-        "skipped 2 tensors of the multi-token-prediction layer(s) (not used for generation)"
+        "skipped 2 tensors of the multi-token-prediction layer(s) (not loaded)"
     ]
 
 

@@ -93,10 +93,10 @@ def join_group(rank: int, size: int, parallel: ParallelConfig, device_type: str,
     return Shard(rank, size, parallel.enable_expert_parallel, cpu_group=cpu_group), device
 
 
-def _load(path, shard: Shard, device: torch.device, mode: str, quantization: Optional[str]):
+def _load(path, shard: Shard, device: torch.device, mode: str, quantization: Optional[str], mtp: bool = False):
     from flashdsa.models.loader import load_model
 
-    return load_model(path, device, mode, quantization, shard)
+    return load_model(path, device, mode, quantization, shard, mtp)
 
 
 def _worker(rank: int, size: int, parallel: ParallelConfig, device_type: str, init_method: Optional[str],
@@ -192,9 +192,12 @@ def load_parallel(path: str | Path, parallel: ParallelConfig, device: str = "cud
 
 
 def load(path: str | Path, parallel: ParallelConfig = ParallelConfig(), device: str = "cuda", mode: str = "production",
-         quantization: Optional[str] = None):
-    """The model of checkpoint ``path``: in this process alone, or rank 0's part of a parallel one."""
+         quantization: Optional[str] = None, mtp: bool = False):
+    """The model of checkpoint ``path``: in this process alone, or rank 0's part of a parallel one;
+    ``mtp`` also loads its multi-token-prediction layer (speculative decoding: one process only)."""
     if parallel.tensor_parallel_size == 1 and "WORLD_SIZE" not in os.environ:
         check_parallel(path, parallel, device, mode, quantization)
-        return _load(path, Shard(), torch.device(device), mode, quantization)
+        return _load(path, Shard(), torch.device(device), mode, quantization, mtp)
+    if mtp:
+        raise ValueError("speculative decoding runs on one GPU: use tensor_parallel_size 1")
     return load_parallel(path, parallel, device, mode, quantization)

@@ -1,0 +1,125 @@
+"""Speculative decoding with the MTP layer: verify one drafted token per sequence.
+
+A decode step with a draft d runs the main model over [t_{n-1}, d] (s_q = 2) and gets two rows
+of logits: row 0 is the distribution p of t_n, row 1 that of t_{n+1} if t_n = d. The MTP layer
+drafts greedily (its argmax), so the draft distribution q is a point mass at d and exact
+rejection sampling (Leviathan et al. 2023; Chen et al. 2023) reduces to:
+
+    greedy request:  t_n = argmax p; d accepted iff t_n = d
+    sampled request: d accepted with probability p(d); otherwise t_n ~ p restricted to tokens != d
+
+so t_n ~ p exactly: P(d) = p(d), P(x != d) = (1 - p(d)) p(x) / (1 - p(d)) = p(x). When d is accepted,
+t_{n+1} is sampled from row 1 as usual (its penalties and min_tokens count d as output). p is
+the sampler's own distribution (penalties, temperature, top-k/p, min-p), so the output
+distribution is the main model's under the request's sampling parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flashdsa.runtime.sampler import adjust_logits, draw, sample, sampled_logprobs, sampling_probs
+from flashdsa.runtime.scheduler import ScheduledChunk
+from flashdsa.runtime.sequence import Sequence, TokenLogprobs
+
+
+@dataclass
+class SampledStep:
+    """tokens[i], logprobs[i]: chunk i's new tokens (2 when its draft was accepted) and their
+    logprobs (None where not asked); accepted: the chunks whose draft was accepted."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[Optional[TokenLogprobs]]]
+    accepted: list[int]
+    num_drafts: int
+
+
+def sample_step(logits: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk],
+                token_bitmask: Optional[torch.Tensor] = None) -> SampledStep:
+    """Sample the chunks that reach their sequence's end: ``rows[i]`` is chunk i's row in
+    ``logits: [N, vocab]``, a chunk with a draft has the draft's row next. A structured-output
+    request falls back: its draft ran through the model but is never accepted."""
+    seqs = [c.seq for c in chunks]
+    first = logits[rows]
+    drafts = [c.draft if c.seq.matcher is None else None for c in chunks]
+    if any(d is not None for d in drafts):
+        tokens, accepted = verify_drafts(first, seqs, drafts, token_bitmask)
+    else:
+        tokens = sample(first, seqs, token_bitmask) if seqs else torch.empty(0, dtype=torch.int64)
+        accepted = torch.zeros(len(seqs), dtype=torch.bool)
+    step = SampledStep([[t] for t in tokens.tolist()], [[lp] for lp in sampled_logprobs(first, tokens, seqs)],
+                       [j for j, ok in enumerate(accepted.tolist()) if ok], sum(d is not None for d in drafts))
+    if step.accepted:
+        bonus_rows = logits[[rows[j] + 1 for j in step.accepted]]
+        won = [seqs[j] for j in step.accepted]
+        bonus = sample_bonus(bonus_rows, won, [drafts[j] for j in step.accepted])
+        for j, token, lp in zip(step.accepted, bonus.tolist(), sampled_logprobs(bonus_rows, bonus, won)):
+            step.tokens[j].append(token)
+            step.logprobs[j].append(lp)
+    return step
+
+
+def verify_drafts(
+    logits: torch.Tensor, seqs: list[Sequence], drafts: list[Optional[int]], token_bitmask: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """First tokens t_n ``[N]`` int64 and whether each draft was accepted ``[N]`` bool.
+
+    logits: [N, vocab] fp32, row i the distribution of seqs[i]'s next token; drafts[i] the token
+    drafted for it, or None (no draft: the row is sampled as without speculation)."""
+    logits = adjust_logits(logits, seqs, token_bitmask)
+    tokens = logits.argmax(dim=1)
+    device = logits.device
+    draft = torch.tensor([-1 if d is None else d for d in drafts], device=device)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=device)
+        sub = [seqs[i] for i in sampled]
+        probs = sampling_probs(logits[rows], sub)
+        d = draft[rows]
+        has_draft = d >= 0
+        p_draft = torch.where(has_draft, probs.gather(1, d.clamp_min(0)[:, None])[:, 0], 0.0)
+        accept = _uniform(sub, device) < p_draft
+        without_draft = probs.scatter(1, d.clamp_min(0)[:, None], 0.0) * has_draft[:, None] + probs * ~has_draft[:, None]
+        tokens[rows] = torch.where(accept, d, draw(without_draft, sub))
+    return tokens, (tokens == draft) & (draft >= 0)
+
+
+def sample_bonus(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int]) -> torch.Tensor:
+    """Tokens t_{n+1} ``[N]`` of sequences whose drafts[i] was accepted, from logits [N, vocab]
+    (row 1 of their step), with the draft counted as the sequence's latest output token."""
+    for seq, d in zip(seqs, drafts):
+        seq.token_ids.append(d)
+    try:
+        return sample(logits, seqs)
+    finally:
+        for seq in seqs:
+            seq.token_ids.pop()
+
+
+def _uniform(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    """U(0, 1) per sequence, from its own generator when it set a seed."""
+    u = torch.rand(len(seqs), device=device)
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None:
+            u[i] = torch.rand(1, generator=seq.generator).item()
+    return u
+
+
+def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
+    """The MTP layer's inputs for a step: the token after each flat token of the step (0 where
+    unknown: after a rejected draft), the flat tokens to draft from (each sampling sequence's last
+    committed one), and for each of those ``(seq, its length once new_tokens[id(seq)] are appended)``."""
+    next_ids: list[int] = []
+    rows, owners = [], []
+    for chunk in chunks:
+        seq = chunk.seq
+        ext = seq.token_ids + new_tokens.get(id(seq), [])
+        first = len(next_ids)
+        next_ids += [ext[p + 1] if p + 1 < len(ext) else 0 for p in range(chunk.start, chunk.start + chunk.num_run)]
+        if chunk.samples:
+            rows.append(first + len(ext) - 2 - chunk.start)
+            owners.append((seq, len(ext)))
+    return next_ids, rows, owners
