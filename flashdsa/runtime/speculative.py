@@ -110,8 +110,8 @@ def _uniform(seqs: list[Sequence], device: torch.device) -> torch.Tensor:
 
 def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
     """The MTP layer's inputs for a step: the token after each flat token of the step (0 where
-    unknown: after a rejected draft), the flat tokens to draft from (each sampling sequence's last
-    committed one), and for each of those ``(seq, its length once new_tokens[id(seq)] are appended)``."""
+    unknown: after a rejected draft), the flat tokens to draft from (the last committed one of each
+    sequence that sampled ``new_tokens[id(seq)]``), and for each ``(seq, its length with them)``."""
     next_ids: list[int] = []
     rows, owners = [], []
     for chunk in chunks:
@@ -119,7 +119,7 @@ def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
         ext = seq.token_ids + new_tokens.get(id(seq), [])
         first = len(next_ids)
         next_ids += [ext[p + 1] if p + 1 < len(ext) else 0 for p in range(chunk.start, chunk.start + chunk.num_run)]
-        if chunk.samples:
+        if chunk.samples and id(seq) in new_tokens:
             rows.append(first + len(ext) - 2 - chunk.start)
             owners.append((seq, len(ext)))
     return next_ids, rows, owners
