@@ -1,6 +1,8 @@
 """Speculative decoding with the MTP layer: greedy output unchanged, sampled output distributed
 as the main model's (exact rejection sampling), no leaked blocks."""
 
+import json
+
 import pytest
 import torch
 
@@ -140,3 +142,30 @@ def test_metrics_count_draft_and_accepted_tokens(mtp_checkpoint):
     assert f"flashdsa:spec_decode_num_draft_tokens_total {float(engine.num_draft_tokens)}" in text
     assert f"flashdsa:spec_decode_num_accepted_tokens_total {float(engine.num_accepted_tokens)}" in text
     assert engine.num_draft_tokens >= 5
+
+
+def test_server_streams_the_same_greedy_text_with_speculation_and_counts_drafts(mtp_checkpoint):
+    import httpx
+    from server_thread import ServerThread, metric, wait_until_idle
+    from transformers import AutoTokenizer
+
+    from flashdsa.models.loader import load_model
+    from flashdsa.runtime.engine import EngineConfig
+    from flashdsa.serve.command import make_app
+
+    tokenizer = AutoTokenizer.from_pretrained(mtp_checkpoint)
+    model = load_model(mtp_checkpoint, mode="reference", mtp=True)
+    body = {"model": "m", "prompt": "The sea is", "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    texts = {}
+    for spec in (0, 1):
+        config = EngineConfig(max_num_seqs=4, num_blocks=8, max_model_len=256, speculative_tokens=spec)
+        with ServerThread(make_app(model, tokenizer, "m", config)) as server:
+            plain = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+            texts[spec] = plain["choices"][0]["text"]
+            assert "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks) == texts[spec]
+            wait_until_idle(server)
+            assert (metric(server, "spec_decode_num_draft_tokens_total") > 0) == bool(spec)
+            assert server.engine.block_manager.num_used_blocks == 0
+    assert texts[1] == texts[0]
