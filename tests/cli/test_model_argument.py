@@ -50,9 +50,8 @@ def test_repo_id_not_in_the_cache_says_where_it_looked(hf_cache, user_error):
 
 
 def test_llm_without_a_path_takes_the_default_model_and_chats():
-    llm = LLM(device="cpu")
-    text = llm.generate("ROMEO:", GREEDY, use_tqdm=False)[0].outputs[0].text
-    assert text.strip()
+    llm = LLM(device="cpu", num_blocks=8)
+    assert llm.engine.vocab_size == 2048  # the embedded Shakespeare model
     messages = [{"role": "user", "content": "Speak."}]
     (reply,) = llm.chat(messages, GREEDY, use_tqdm=False)
     want_prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -146,6 +146,13 @@ def test_finetune_data_errors_name_the_file(user_error, finetune_argv, tmp_path,
     assert "argument --data:" in line and says in line, line
 
 
+def test_finetune_refuses_to_start_over_an_earlier_run(user_error, finetune_argv, tmp_path):
+    (tmp_path / "out" / "checkpoints" / "step-000001").mkdir(parents=True)
+    line = user_error(finetune_argv)
+    assert "argument --output:" in line and "pass --resume to continue it" in line
+    assert (tmp_path / "out" / "checkpoints" / "step-000001").is_dir()
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--steps", 0, "must be an integer >= 1"),
     ("--lr", -1, "must be a number > 0"),

@@ -34,8 +34,8 @@ def test_the_shipped_default_model_passes_check(capsys):
 def test_written_configs_give_transformers_one_kv_head_per_query_head(shrunk):
     """transformers views MLA as multi-head attention: without num_key_value_heads its eager
     attention breaks (the shipped default model's config lacked it)."""
-    for raw in (json.loads((shrunk / "config.json").read_text()), json.loads((DEFAULT_MODEL / "config.json").read_text()),
-                DeepseekV32Config(num_attention_heads=6).to_dict()):
+    written = [json.loads((path / "config.json").read_text()) for path in (shrunk, DEFAULT_MODEL)]
+    for raw in (*written, DeepseekV32Config(num_attention_heads=6).to_dict()):
         assert raw["num_key_value_heads"] == raw["num_attention_heads"]
 
 
