@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -159,6 +161,15 @@ def load_tokenizer(path: Path) -> Any:
         raise ArgumentError("model", f"cannot load the tokenizer of {path}: {exc}") from exc
 
 
+@contextmanager
+def _weight_files_of(path: Path) -> Iterator[None]:
+    """A damaged safetensors file read in the block is an ArgumentError naming ``model``."""
+    try:
+        yield
+    except SafetensorError as exc:
+        raise ArgumentError("model", f"{path} holds a damaged or truncated weight file ({exc})") from exc
+
+
 def load_weights(path: Path, device: torch.device, mode: str, quantization: Optional[str] = None,
                  parallel: Optional[ParallelConfig] = None) -> torch.nn.Module:
     """The model of checkpoint ``path`` (rank 0's part when ``parallel`` splits it over ranks).
@@ -168,14 +179,10 @@ def load_weights(path: Path, device: torch.device, mode: str, quantization: Opti
     from flashdsa.runtime.parallel.launcher import check_parallel, load
 
     parallel = parallel or ParallelConfig()
-    with blame("tensor_parallel_size" if parallel.tensor_parallel_size > 1 else "model"):
-        check_parallel(path, parallel, device, mode, quantization)
-    try:
+    with _weight_files_of(path), blame("tensor_parallel_size" if parallel.tensor_parallel_size > 1 else "model"):
+        check_parallel(path, parallel, device, mode, quantization)  # reads config.json and weight headers
+    with _weight_files_of(path), blame("model"):
         return load(path, parallel, device, mode, quantization)
-    except SafetensorError as exc:
-        raise ArgumentError("model", f"{path} holds a damaged or truncated weight file ({exc})") from exc
-    except (ValueError, OSError) as exc:
-        raise ArgumentError("model", str(exc)) from exc
 
 
 def open_model(
