@@ -1,13 +1,15 @@
 """``flashdsa serve [--model DIR|REPO]``: an OpenAI-compatible HTTP server over the engine.
 
-The listening socket is bound before the model loads, so a port in use fails at once; the log then
-says where the server listens and what it serves (model, mode, device, KV cache size).
+The listening socket is bound before the model loads (by rank 0 alone under torchrun), so a port
+in use fails at once; the log then says where the server listens and what it serves (model, mode,
+device, KV cache size).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 from pathlib import Path
 from typing import Optional
@@ -99,6 +101,19 @@ def served_name(model: Optional[str], path: Path) -> str:
     return model
 
 
+def sampling_defaults(choice: str, model_dir: Path) -> dict:
+    """The sampling defaults ``--generation-config`` asks for: 'auto' (the model's
+    generation_config.json, if any), 'none', or a directory holding one."""
+    if choice == "none":
+        return {}
+    source = model_dir if choice == "auto" else Path(choice)
+    if not source.is_dir():
+        raise ArgumentError("--generation-config", f"{choice}: no such directory; pass auto, none or a directory "
+                                                   f"holding a generation_config.json")
+    with blame("--generation-config"):  # a file that does not parse or holds values out of range
+        return generation_defaults(source)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -111,11 +126,10 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     with blame("--max-model-len"):  # checked before the weights load
         config.model_len(read_checkpoint(path).max_position_embeddings)
-    source = {"auto": path, "none": None}.get(args.generation_config, args.generation_config)
-    with blame("--generation-config"):  # a file that does not parse or holds values out of range
-        defaults = generation_defaults(source) if source is not None else {}
+    defaults = sampling_defaults(args.generation_config, path)
     limits = RequestLimits(args.max_request_bytes, args.max_n, args.max_stop, args.max_logprob_entries)
-    sock = listen(args.host, args.port)
+    # Under torchrun every rank runs this command; only rank 0 serves (the others stay in open_model).
+    sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     model, tokenizer = open_model(path, args.device, args.mode, parallel=parallel)
     name = args.served_model_name or served_name(args.model, path)
     app = make_app(model, tokenizer, name, config, args.max_queued, args.api_key, limits, defaults)

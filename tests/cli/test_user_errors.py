@@ -165,3 +165,8 @@ def test_finetune_settings_errors_name_the_flag(user_error, finetune_argv, flag,
     argv = [*finetune_argv, flag] if value is None else _with(finetune_argv, flag, value)
     line = user_error(argv)
     assert f"argument {flag}:" in line and says in line, line
+
+
+def test_serve_generation_config_that_is_not_a_directory_is_named(user_error, tmp_path):
+    line = user_error(["serve", "--generation-config", tmp_path / "nowhere", "--device", "cpu"])
+    assert "argument --generation-config:" in line and "no such directory" in line
