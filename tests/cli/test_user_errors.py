@@ -81,6 +81,7 @@ def test_cuda_without_cuda_is_refused(user_error):
     (["generate", "--prompt", "", "--device", "cpu"], "--prompt", "has 0 tokens"),
     (["check", "--model", DEFAULT_MODEL, "--tokens", "100000"], "--tokens", "at most the model's 1024 positions"),
     (["check"], "--model", "required"),
+    (["generate", "--tensor-parallel-size", "0"], "--tensor-parallel-size", "must be an integer >= 1"),
 ])
 def test_bad_values_name_their_flag(user_error, argv, flag, says):
     line = user_error(argv)
