@@ -172,13 +172,17 @@ def _weight_files_of(path: Path) -> Iterator[None]:
 
 def load_weights(path: Path, device: torch.device, mode: str, quantization: Optional[str] = None,
                  parallel: Optional[ParallelConfig] = None) -> torch.nn.Module:
-    """The model of checkpoint ``path`` (rank 0's part when ``parallel`` splits it over ranks).
-    A split the model or the GPUs cannot take is an ArgumentError naming
-    ``tensor_parallel_size``, caught before any weight is read; missing, mis-shaped or damaged
-    tensors name ``model``."""
+    """The model of checkpoint ``path``. With ``parallel`` it goes through the inference launcher
+    (rank 0's part when it splits the model over ranks; on CUDA the memory plan is checked first);
+    without, it is loaded whole in this process (fine-tuning, whose ranks shard it themselves).
+    A split the model or the GPUs cannot take is an ArgumentError naming ``tensor_parallel_size``,
+    caught before any weight is read; missing, mis-shaped or damaged tensors name ``model``."""
+    from flashdsa.models.loader import load_model
     from flashdsa.runtime.parallel.launcher import check_parallel, load
 
-    parallel = parallel or ParallelConfig()
+    if parallel is None:
+        with _weight_files_of(path), blame("model"):
+            return load_model(path, device, mode, quantization)
     with _weight_files_of(path), blame("tensor_parallel_size" if parallel.tensor_parallel_size > 1 else "model"):
         check_parallel(path, parallel, device, mode, quantization)  # reads config.json and weight headers
     with _weight_files_of(path), blame("model"):
@@ -190,8 +194,10 @@ def open_model(
     quantization: Optional[str] = None, parallel: Optional[ParallelConfig] = None,
 ) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) for a model argument (None: the embedded default model) on ``device``
-    (None: CUDA when present) in precision ``mode``, split over ranks by ``parallel``."""
+    (None: CUDA when present) in precision ``mode``, served through the inference launcher
+    (split over ranks by ``parallel``)."""
     device = parse_device(device)
+    parallel = parallel or ParallelConfig()
     path = resolve_model(model)
     check_mode(read_checkpoint(path), mode, quantization)
     tokenizer = load_tokenizer(path)  # before the weights: it fails fast on a damaged checkpoint
