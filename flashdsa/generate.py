@@ -12,32 +12,31 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from flashdsa.defaults import DEFAULT_MODEL
-from flashdsa.models.caches import MODES
-from flashdsa.models.chat_template import apply_chat_template
+from flashdsa.arguments import add_model_arguments, float_in, int_in
+from flashdsa.errors import ArgumentError, blame
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
+from flashdsa.runtime.llm import render_chat
 from flashdsa.runtime.parallel.plan_command import add_parallel_arguments, parallel_config
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import BLOCK_SIZE
 
 DEFAULT_PROMPT = "ROMEO:"  # the default model is trained on Tiny Shakespeare
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                        help="checkpoint directory (HF layout; default: the embedded Shakespeare model)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    parser.add_argument("--top-k", type=int, default=40, help="sample among the k best tokens (default 40; 0: off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
-    parser.add_argument("--mode", choices=MODES, default="production", help="precision mode (default production)")
+    parser.add_argument("--max-tokens", type=int_in(1), default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--temperature", type=float_in(0), default=0.8, help="0 = greedy (default 0.8)")
+    parser.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0,
+                        help="nucleus sampling mass (default 1: off)")
+    parser.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=40,
+                        help="sample among the k best tokens (default 40; 0: off)")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="sampling seed (default 0)")
     add_parallel_arguments(parser)
     parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
                         help="1: draft a token per step with the model's MTP layer, verified by the model (default 0)")
@@ -45,11 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    if not chat:
-        return tokenizer(text).input_ids
-    messages = [{"role": "user", "content": text}]
-    rendered = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
+    """The prompt's token ids; with ``chat``, as one user message through the chat template."""
+    return render_chat(tokenizer, [{"role": "user", "content": text}])[1] if chat else tokenizer(text).input_ids
 
 
 def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int, speculative_tokens: int = 0) -> LLMEngine:
@@ -100,32 +96,27 @@ def acceptance_line(engine: LLMEngine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
-    from flashdsa.runtime.parallel.launcher import load
+    from flashdsa.models.resolve import open_model
 
     parallel = parallel_config(args, "generate")
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens)
-    except ValueError as exc:
-        raise SystemExit(f"flashdsa generate: {exc}")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    try:
-        model = load(args.model, parallel, args.device, args.mode, mtp=args.speculative_tokens > 0)
-    except ValueError as exc:
-        raise SystemExit(f"flashdsa generate: {exc}")
-    prompt = encode_prompt(tokenizer, args.prompt, args.chat)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    model, tokenizer = open_model(args.model, args.device, args.mode, parallel=parallel,
+                                  mtp=args.speculative_tokens > 0)
+    with blame("--chat", (Exception,)):  # a chat template that is missing or fails to render
+        prompt = encode_prompt(tokenizer, args.prompt, args.chat)
+    positions = model.config.max_position_embeddings
+    if not 0 < len(prompt) < positions:
+        raise ArgumentError("--prompt", f"has {len(prompt)} tokens; the model takes 1 to {positions - 1} "
+                                        f"(and {positions} with the output)")
     engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens, args.speculative_tokens)
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    try:
+    with blame("--max-tokens", (ValueError,)):  # prompt + output do not fit the model's positions
         ids, prefill_s, decode_s = stream_request(engine, prompt, params, write)
-    except ValueError as exc:
-        raise SystemExit(f"flashdsa generate: {exc}")
     print("\n" + timings_line(len(prompt), prefill_s, len(ids), decode_s))
     if args.verbose:
         print(acceptance_line(engine))

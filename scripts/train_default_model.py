@@ -36,6 +36,7 @@ from flashdsa.train.data import eval_batches, read_documents, split_stream, toke
 from flashdsa.train.init import initialize
 from flashdsa.train.loop import LOG_FILE, TrainConfig, Trainer, evaluate
 from flashdsa.train.plot import save_loss_png
+from flashdsa.train.safe_io import read_records
 from flashdsa.train.tokenizer import train_bpe_tokenizer
 
 logger = logging.getLogger("train_default_model")
@@ -177,7 +178,6 @@ def main() -> None:
     summary = {"config": CONFIG, "backend": backend, "device": torch.cuda.get_device_name() if device.type == "cuda"
                else "cpu", "train_tokens": len(train_tokens), "eval_tokens": len(eval_tokens), "stages": []}
     series, offset = [], 0
-    colors = {"dense": (200, 40, 40), "warmup": (30, 150, 30), "sparse": (40, 40, 200)}
     for stage, steps, lr, seconds, mtp_weight in STAGES:
         cfg = TrainConfig(stage=stage, steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
                           time_limit_s=seconds * args.time_scale, mtp_loss_weight=mtp_weight, **common)
@@ -185,14 +185,14 @@ def main() -> None:
         trainer = Trainer(model, train_tokens, eval_tokens, cfg, work / stage, tokenizer_dir, device)
         started = time.perf_counter()
         metrics = trainer.train()
-        records = [json.loads(line) for line in (work / stage / LOG_FILE).read_text().splitlines()]
+        records = read_records(work / stage / LOG_FILE)
         speed = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
         summary["stages"].append({"stage": stage, "steps": trainer.step, "lr": lr, "median_tokens_per_s": speed,
                                   "seconds": time.perf_counter() - started, **metrics})
         logger.info("%s: %s", stage, summary["stages"][-1])
         key = "eval_indexer_kl" if stage == "warmup" else "eval_lm_loss"
         points = [(offset + r["step"], r[key]) for r in records if key in r]
-        series.append((f"{stage} {key[5:]}", points, colors[stage]))
+        series.append((f"{stage} {key[5:]}", points))
         offset += trainer.step
         with (work / ALL_STAGES_LOG).open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

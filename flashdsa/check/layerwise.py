@@ -85,17 +85,20 @@ class Report:
 
 def load_hf_reference(path: Path, device: str | torch.device):
     """transformers' DeepseekV32ForCausalLM in fp32 (eager attention). An FP8 checkpoint is first
-    dequantized into a temporary copy, as transformers needs extra packages for FP8 on CPU."""
+    dequantized into a temporary copy, as transformers needs extra packages for FP8 on CPU. A
+    config without ``num_key_value_heads`` (transformers' MHA view of MLA) gets one per query head."""
     from transformers import AutoModelForCausalLM
 
     raw = json.loads((path / "config.json").read_text())
+    options = dict(dtype=torch.float32, attn_implementation="eager",
+                   num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]))
     if "quantization_config" not in raw:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device)
+        return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
     with tempfile.TemporaryDirectory() as tmp:
         save_file({n: t.float().contiguous() for n, t in read_tensors(path)}, Path(tmp) / "model.safetensors")
         raw.pop("quantization_config")
         (Path(tmp) / "config.json").write_text(json.dumps(raw))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(tmp, **options)
     return model.to(device)
 
 

@@ -102,7 +102,8 @@ class DeepseekV32Config:
     def from_dict(cls, raw: dict[str, Any]) -> "DeepseekV32Config":
         raw = dict(raw)
         if raw.get("model_type", "deepseek_v32") not in ("deepseek_v32", "deepseek_v3"):
-            raise ValueError(f"config model_type must be 'deepseek_v32', got {raw['model_type']!r}")
+            raise ValueError(f"a {raw['model_type']!r} model: flashdsa runs DeepSeek-V3.2 checkpoints "
+                             f"(config.json model_type 'deepseek_v32')")
         rope = raw.pop("rope_parameters", None)
         if rope:  # transformers 5 form: one dict holding theta and the scaling
             raw.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
@@ -125,6 +126,8 @@ class DeepseekV32Config:
         return cls.from_dict(json.loads(path.read_text()))
 
     def to_dict(self) -> dict[str, Any]:
-        """The config.json form (original DeepSeek key names)."""
+        """The config.json form (original DeepSeek key names). ``num_key_value_heads`` is
+        transformers' multi-head view of MLA (one K/V head per query head): without it, its eager
+        attention reads a different head count and fails."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra" and v is not None}
-        return {**self.extra, **out}
+        return {**self.extra, **out, "num_key_value_heads": self.num_attention_heads}

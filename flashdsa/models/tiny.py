@@ -45,10 +45,9 @@ SHRUNK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               v_head_dim=16, n_routed_experts=4, index_n_heads=16, index_head_dim=32)
 
 
-def tiny_config(shrink: bool = False, vocab_size: int = 512) -> dict:
-    """The config.json dict of a tiny checkpoint."""
-    widths = SHRUNK if shrink else FULL  # num_key_value_heads: transformers' MHA view of MLA
-    return {**COMMON, **widths, "num_key_value_heads": widths["num_attention_heads"], "vocab_size": vocab_size}
+def tiny_config(shrink: bool = False, vocab_size: int = 512) -> DeepseekV32Config:
+    """The config of a tiny checkpoint."""
+    return DeepseekV32Config.from_dict({**COMMON, **(SHRUNK if shrink else FULL), "vocab_size": vocab_size})
 
 
 def random_weights(config: DeepseekV32Config, seed: int, mtp: bool = False) -> dict[str, torch.Tensor]:
@@ -121,18 +120,19 @@ def save_shards(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> No
 
 def make_tiny_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shrink: bool = False,
                          shards: int = 1, mtp: bool = False) -> Path:
-    """Write a tiny random DeepSeek-V3.2 checkpoint (config, weights, tokenizer) into ``path``;
-    ``mtp`` adds a multi-token-prediction layer in the official layout."""
+    """Write a tiny random DeepSeek-V3.2 checkpoint (config, weights, tokenizer) into ``path``
+    (created if missing; files of the same names are replaced); ``mtp`` adds a
+    multi-token-prediction layer in the official layout."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab_size = save_tokenizer(path)
-    raw = tiny_config(shrink, vocab_size)
+    config = tiny_config(shrink, vocab_size)
     if fp8:
-        raw["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+        config.quantization_config = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
                                           weight_block_size=[FP8_BLOCK, FP8_BLOCK])
-    raw["num_nextn_predict_layers"] = int(mtp)
-    weights = random_weights(DeepseekV32Config.from_dict(raw), seed, mtp)
+    config.num_nextn_predict_layers = int(mtp)
+    weights = random_weights(config, seed, mtp)
     save_shards(path, to_fp8(weights) if fp8 else weights, shards)
-    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))
     return path

@@ -1,22 +1,35 @@
 """Incremental detokenization with stop strings, for streaming.
 
-A byte-level tokenizer can end a token in the middle of a UTF-8 character; decoding then gives
-U+FFFD. Text is only released once the tokens decode to complete characters: we decode a small
-window of recent tokens and take what it adds over the text of its stable part. Stop strings are
-searched in the new text; while a request runs, the last len(longest stop) - 1 characters are
-held back from streaming, because they might be the start of a stop string.
+``tokenizers``' DecodeStream turns tokens into text one at a time and releases text only once
+it decodes to whole characters (a byte-level token can end inside a UTF-8 character), seeded
+with the prompt's last tokens so the first output token gets its leading space right. What no
+library does is kept here: stop strings are searched in the new text, and while a request runs the
+last len(longest stop) - 1 characters are held back from streaming, since they might start a stop
+string; a request that ends inside a character releases what it has (as U+FFFD).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from tokenizers.decoders import DecodeStream
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens that seed the stream, for tokenizers that strip spaces
 REPLACEMENT_CHAR = "\ufffd"
-PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for tokenizers that strip spaces
+
+
+def stream_context(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> list[int]:
+    """The prompt's last tokens that seed the stream, less trailing ones that end inside a
+    character: the stream would hold those bytes back and release them as the output's text."""
+    ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+    while ids and tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR):
+        ids.pop()
+    return ids
 
 
 class Detokenizer:
-    """Turns one request's output tokens into text, one token at a time."""
+    """Turns one request's output tokens into text, one token at a time. ``tokenizer`` is a
+    transformers tokenizer backed by ``tokenizers`` (``backend_tokenizer``)."""
 
     def __init__(
         self,
@@ -28,17 +41,14 @@ class Detokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already released
-        self.read_offset = len(self.ids)
+        context = stream_context(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self.pending: list[int] = []  # tokens the stream holds back (an incomplete character so far)
         self.stop = stop
         self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # output text found so far (cut at the stop string once one is found)
         self.num_sent = 0  # characters of text already handed out by delta()
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int, final: bool = False, find_stop: bool = True) -> Optional[str]:
         """Append one token; return the stop string it completed, if any (text is then cut).
@@ -46,14 +56,15 @@ class Detokenizer:
         final: the request ends with this token, so an incomplete character is released as is.
         find_stop False: stop strings are not looked for in this token's text (before min_tokens).
         """
-        self.ids.append(token_id)
-        stable = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(stable) or (full.endswith(REPLACEMENT_CHAR) and not final):
+        piece = self.stream.step(self.tokenizer.backend_tokenizer, token_id)
+        self.pending.append(token_id)
+        if piece is None and final:
+            piece = self.tokenizer.decode(self.pending, skip_special_tokens=self.skip_special_tokens)
+        if not piece:
             return None
+        self.pending.clear()
         old_len = len(self.text)
-        self.text += full[len(stable) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += piece
         return self._find_stop(old_len) if find_stop else None
 
     def _find_stop(self, old_len: int) -> Optional[str]:

@@ -50,6 +50,14 @@ class EngineConfig:
         check(0 < self.cache_fraction <= 1, f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
         check(self.speculative_tokens in (0, 1), f"speculative_tokens must be 0 or 1, got {self.speculative_tokens}")
 
+    def model_len(self, positions: int) -> int:
+        """Tokens a sequence may hold on a model of ``positions`` positions: max_model_len, by
+        default all of them. ValueError if max_model_len asks for more."""
+        check(self.max_model_len is None or self.max_model_len <= positions,
+              f"max_model_len {self.max_model_len} exceeds the model's {positions} positions "
+              f"(max_position_embeddings): pass at most {positions}")
+        return self.max_model_len or positions
+
 
 def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
     """Blocks for the caches: as configured, else a fraction of free device memory, never more
@@ -73,7 +81,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
-        max_len = self.config.max_model_len or model.config.max_position_embeddings
+        max_len = self.config.model_len(model.config.max_position_embeddings)
         self.num_blocks = plan_num_blocks(model, self.config, self.device, max_len)
         if max_len > self.num_blocks * BLOCK_SIZE:
             logger.warning("max_model_len %d exceeds the cache (%d blocks); using %d", max_len,

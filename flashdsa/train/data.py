@@ -17,26 +17,36 @@ from flashdsa.models.chat_template import apply_chat_template
 
 
 def read_documents(path: str | Path, tokenizer) -> list[str]:
-    """The documents of a ``.txt`` or ``.jsonl`` file as strings (chats rendered by the chat template)."""
+    """The documents of a ``.txt`` or ``.jsonl`` file as strings (chats rendered by the chat template).
+    ValueError naming the file (and line) when it holds none or a line is malformed."""
     path = Path(path)
-    if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
-    if path.suffix != ".jsonl":
+    if path.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"data must be a .txt or .jsonl file, got {path}")
-    documents = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if isinstance(record.get("text"), str):
-            documents.append(record["text"])
-        elif isinstance(record.get("messages"), list):
-            documents.append(apply_chat_template(tokenizer, record["messages"]))
-        else:
-            raise ValueError(f"{path}:{number}: each line needs a string 'text' or a list 'messages'")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".txt":
+        documents = [text] if text.strip() else []
+    else:
+        lines = enumerate(text.splitlines(), start=1)
+        documents = [_jsonl_document(f"{path}:{number}", line, tokenizer) for number, line in lines if line.strip()]
     if not documents:
         raise ValueError(f"data file {path} holds no documents")
     return documents
+
+
+def _jsonl_document(where: str, line: str, tokenizer) -> str:
+    """One JSONL line's document: its ``text``, or its chat ``messages`` through the chat template."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return record["text"]
+    if not (isinstance(record, dict) and isinstance(record.get("messages"), list)):
+        raise ValueError(f"{where}: each line needs a string 'text' or a list 'messages'")
+    try:
+        return apply_chat_template(tokenizer, record["messages"])
+    except Exception as exc:  # jinja raises its own errors on messages the template cannot render
+        raise ValueError(f"{where}: the chat template cannot render these messages ({exc})") from exc
 
 
 def token_stream(documents: list[str], tokenizer) -> torch.Tensor:

@@ -12,7 +12,6 @@ A model with an MTP layer adds its loss (predicting the token after next, weight
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from flashdsa.train.distributed import World, full_norm
 from flashdsa.train.forward import training_forward
 from flashdsa.train.losses import lm_loss
 from flashdsa.train.plot import save_loss_png
+from flashdsa.train.safe_io import append_record, read_records, truncate_records
 
 logger = logging.getLogger(__name__)
 
@@ -236,25 +236,21 @@ class Trainer:
         if not self.world.is_main:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        with (self.output_dir / LOG_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_record(self.output_dir / LOG_FILE, record)
 
     def _truncate_log(self) -> None:
         """Drop log lines past the resumed step (written after the checkpoint by an interrupted run)."""
-        path = self.output_dir / LOG_FILE
-        if path.is_file() and self.world.is_main:
-            lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.step]
-            path.write_text("".join(line + "\n" for line in lines))
+        if self.world.is_main:
+            truncate_records(self.output_dir / LOG_FILE, self.step)
 
     def plot(self) -> None:
         """loss.png: training and held-out losses of the log, by step (rank 0)."""
         if not self.world.is_main:
             return
-        records = [json.loads(line) for line in (self.output_dir / LOG_FILE).read_text().splitlines()]
+        records = read_records(self.output_dir / LOG_FILE)
         series = []
-        colors = {"loss": (200, 40, 40), "eval_loss": (40, 40, 200), "eval_indexer_kl": (30, 150, 30)}
-        for key, color in colors.items():
+        for key in ("loss", "eval_loss", "eval_indexer_kl"):
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
-                series.append((key.replace("_", " "), points, color))
+                series.append((key.replace("_", " "), points))
         save_loss_png(self.output_dir / PLOT_FILE, series)

@@ -7,6 +7,7 @@ import torch
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache import layout, write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
+from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.indexer import hadamard_transform
 
 
@@ -105,6 +106,8 @@ MLA_OK = dict(c_kv=torch.randn(4, 512), k_pe=torch.randn(4, 64), kv_cache=torch.
     ("slot_mapping", torch.arange(4, dtype=torch.int32)),
     ("slot_mapping", torch.arange(5)),
     ("slot_mapping", torch.tensor([0, 1, 2, 128])),
+    ("slot_mapping", torch.tensor([0.0, 1.5, 2.0, 3.0])),
+    ("slot_mapping", torch.tensor([0, 7, 3, 7])),
 ])
 def test_write_mla_cache_rejects_bad_input_naming_it(name, bad):
     with pytest.raises(ValueError, match=name):
@@ -122,10 +125,35 @@ INDEXER_OK = dict(k=torch.randn(4, 128), k_cache=torch.zeros(1, 64, 1, 132, dtyp
     ("k_cache", torch.zeros(1, 64, 1, 132, dtype=torch.int8)),
     ("slot_mapping", torch.arange(4).float()),
     ("slot_mapping", torch.tensor([0, 64, 1, 2])),
+    ("slot_mapping", torch.tensor([5, -1, 5, 2])),
 ])
 def test_write_indexer_cache_rejects_bad_input_naming_it(name, bad):
     with pytest.raises(ValueError, match=name):
         write_indexer_cache(**{**INDEXER_OK, name: bad})
+
+
+@pytest.mark.parametrize("slots, repeated", [([9, 3, 9], 9), ([0, 0], 0), ([4, 1, 4, 1], 4)])
+def test_repeated_slots_are_refused_and_padding_may_repeat(slots, repeated):
+    pool = poisoned_pool(indexer_pool, 1, 64)
+    with pytest.raises(ValueError, match=f"slot_mapping has slot {repeated} twice"):
+        write_indexer_cache(torch.randn(len(slots), 128), pool, torch.tensor(slots))
+    assert (pool == POISON).all()
+    write_indexer_cache(torch.randn(4, 128), pool, torch.tensor([-1, 3, -1, -1]))  # -1: padding, skipped
+
+
+def test_trusted_writes_read_nothing_back(monkeypatch):
+    """Inside checks.trusted_values (the engine's path) the slot checks stay on the device: no
+    value is read back, so a repeated slot passes unseen."""
+    reads = []
+    for method in ("tolist", "item", "__int__"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _real=real, **k: reads.append(t) or _real(t, *a, **k))
+    pool = poisoned_pool(mla_pool, 1, 64)
+    with trusted_values():
+        write_mla_cache(torch.randn(2, 512), torch.randn(2, 64), pool, torch.tensor([3, 3]))
+    assert reads == []
+    write_mla_cache(torch.randn(2, 512), torch.randn(2, 64), pool, torch.tensor([3, 4]))
+    assert len(reads) == 1  # the checked path reads once
 
 
 def test_unknown_backend_is_rejected():

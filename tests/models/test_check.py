@@ -1,10 +1,15 @@
-"""flashdsa check: passes in reference mode, reports exact ties as ties, fails beyond thresholds."""
+"""flashdsa check: passes in reference mode (the shipped default model too), reports exact ties as
+ties, fails beyond thresholds."""
+
+import json
 
 import pytest
 import torch
 
 from flashdsa.check.layerwise import Run, _topk_agreement, compare
 from flashdsa.cli import main
+from flashdsa.defaults import DEFAULT_MODEL
+from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.tiny import make_tiny_checkpoint
 
 
@@ -19,6 +24,19 @@ def test_check_passes_on_an_fp8_checkpoint(tmp_path, capsys):
     path = make_tiny_checkpoint(tmp_path, shrink=True, fp8=True, shards=2)
     assert main(["check", "--model", str(path), "--tokens", "80"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+def test_the_shipped_default_model_passes_check(capsys):
+    assert main(["check", "--model", str(DEFAULT_MODEL), "--tokens", "48"]) == 0
+    assert "PASS (reference" in capsys.readouterr().out
+
+
+def test_written_configs_give_transformers_one_kv_head_per_query_head(shrunk):
+    """transformers views MLA as multi-head attention: without num_key_value_heads its eager
+    attention breaks (the shipped default model's config lacked it)."""
+    written = [json.loads((path / "config.json").read_text()) for path in (shrunk, DEFAULT_MODEL)]
+    for raw in (*written, DeepseekV32Config(num_attention_heads=6).to_dict()):
+        assert raw["num_key_value_heads"] == raw["num_attention_heads"]
 
 
 def _run(hidden, topk, scores, logits):

@@ -48,3 +48,27 @@ def test_include_stop_str_keeps_it(tok):
         if detok.add_token(t):
             break
     assert detok.text == "the fox"
+
+
+def test_a_request_ending_inside_a_character_releases_it_as_a_replacement(tok):
+    ids = byte_token_ids(tok, "ok🙂")[:-1]  # the emoji's last byte never comes
+    detok = Detokenizer(tok, [], stop=[])
+    for i, t in enumerate(ids):
+        detok.add_token(t, final=i == len(ids) - 1)
+    assert detok.delta(finished=True) == tok.decode(ids) == "ok\ufffd"
+
+
+def test_a_prompt_ending_inside_a_character_adds_nothing_to_the_output(tok):
+    prompt = byte_token_ids(tok, "say 日")[:-1]  # the prompt stops inside 日
+    output = tok.encode(" fine words", add_special_tokens=False)
+    detok = Detokenizer(tok, prompt, stop=[])
+    for t in output:
+        detok.add_token(t)
+    assert detok.delta(finished=True) == " fine words"
+
+
+def test_special_tokens_are_skipped(tok):
+    detok = Detokenizer(tok, [], stop=[])
+    for t in [tok.eos_token_id, *tok.encode("plain", add_special_tokens=False), tok.bos_token_id]:
+        detok.add_token(t)
+    assert detok.delta(finished=True) == "plain"

@@ -1,17 +1,17 @@
-"""Data files to batches (text, chat, resumable order) and the PNG writer."""
+"""Data files to batches (text, chat, resumable order) and the loss plot."""
 
 from __future__ import annotations
 
 import json
-import struct
-import zlib
+import logging
+import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from flashdsa.train.data import TokenBatches, eval_batches, read_documents, split_stream, token_stream
-from flashdsa.train.plot import encode_png, render
+from flashdsa.train.plot import save_loss_png
 
 
 def test_jsonl_reads_text_and_renders_chat_messages(tiny_model_dir, tmp_path):
@@ -68,15 +68,18 @@ def test_held_out_split_is_the_tail_and_eval_batches_are_fixed():
         split_stream(torch.arange(20), 0.5, seq_len=16)
 
 
-def test_png_encodes_the_rendered_pixels():
-    image = render([("loss", [(0, 3.0), (10, 1.0)], (200, 0, 0)), ("eval", [(0, 2.0)], (0, 0, 200))], 120, 80)
-    data = encode_png(image)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    length = struct.unpack(">I", data[33:37])[0]
-    crc = struct.unpack(">I", data[41 + length : 45 + length])[0]
-    assert data[37:41] == b"IDAT" and zlib.crc32(data[37 : 41 + length]) == crc
-    rows = torch.tensor(list(zlib.decompress(data[41 : 41 + length])), dtype=torch.uint8).view(height, 1 + width * 3)
-    assert (width, height) == (120, 80) and (rows[:, 0] == 0).all()
-    assert torch.equal(rows[:, 1:].view(height, width, 3), image)
-    assert ((image == torch.tensor([200, 0, 0], dtype=torch.uint8)).all(-1)).any()  # the red curve was drawn
+def test_loss_plot_is_a_png_of_the_figure_size(tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+    path = tmp_path / "loss.png"
+    assert save_loss_png(path, [("loss", [(1, 3.0), (2, 2.5), (3, 1.0)]), ("eval loss", [(3, 2.0)])])
+    pixels = image.imread(path)
+    assert pixels.shape[:2] == (500, 800) and pixels.std() > 0  # 8 x 5 inches at 100 dpi, something drawn
+    assert [p.name for p in tmp_path.iterdir()] == ["loss.png"]  # no temporary file left
+
+
+def test_loss_plot_without_matplotlib_is_skipped_with_one_logged_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
+    with caplog.at_level(logging.WARNING):
+        assert not save_loss_png(tmp_path / "loss.png", [("loss", [(1, 3.0)])])
+    assert not (tmp_path / "loss.png").exists()
+    assert len(caplog.records) == 1 and "flashdsa[train]" in caplog.records[0].getMessage()

@@ -40,17 +40,21 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
 
 
 def _check_slots(slot_mapping: object, num_tokens: int, cache: torch.Tensor) -> None:
-    """slot_mapping: [T] int64 on the cache's device, every slot < the cache's capacity.
+    """slot_mapping: [T] int64 on the cache's device, every slot < the cache's capacity, no slot twice.
 
-    The range check reads the slots back (one device sync); it is skipped inside
+    The value checks read two numbers back (one device sync); they are skipped inside
     ``checks.trusted_values`` and while a CUDA graph is being captured, where backends still skip
-    out-of-range slots instead of writing them.
+    out-of-range slots instead of writing them (a repeated slot is then written by one of its tokens).
     """
     check_tensor("slot_mapping", slot_mapping, torch.int64, [num_tokens], f"int64 [T={num_tokens}]", cache.device)
     capacity = cache.shape[0] * cache.shape[1]
     if num_tokens and can_check_values(cache.device):
-        top = int(slot_mapping.max())
+        ordered = slot_mapping.sort().values
+        repeated = torch.where((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0), ordered[1:], -1)
+        twice = torch.cat([repeated, ordered.new_full((1,), -1)]).max()  # the largest repeated slot, or -1
+        top, twice = torch.stack([ordered[-1], twice]).tolist()
         check(top < capacity, f"slot_mapping has slot {top}, beyond the cache's {capacity} slots")
+        check(twice < 0, f"slot_mapping has slot {twice} twice: each token needs its own slot")
 
 
 def write_mla_cache(
@@ -68,7 +72,7 @@ def write_mla_cache(
         c_kv and k_pe may be row-strided views (e.g. of one [T, 576] projection); last dim contiguous.
     kv_cache: [num_blocks, block_size, 1, 656] uint8 pool (layout in ``cache.layout``).
     slot_mapping: [T] int64, slot ``block_id * block_size + offset`` of each token; slots < 0 are
-        skipped (padding tokens); slots must be distinct.
+        skipped (padding tokens); slots must be distinct (a repeated slot is a ValueError).
     """
     check_tensor("c_kv", c_kv, FLOATS, [None, KV_LORA_RANK], "bf16/fp16/fp32 [T, 512]", contiguous=False)
     _check_rows("c_kv", c_kv)
@@ -93,7 +97,7 @@ def write_indexer_cache(
 
     k: [T, 128] bf16/fp16/fp32, the indexer keys before the Hadamard rotation.
     k_cache: [num_blocks, block_size, 1, 132] uint8 pool (per-block layout in ``cache.layout``).
-    slot_mapping: [T] int64 slots as in :func:`write_mla_cache`; slots < 0 are skipped.
+    slot_mapping: [T] int64 slots as in :func:`write_mla_cache`: distinct; slots < 0 are skipped.
     """
     check_tensor("k", k, FLOATS, [None, INDEX_HEAD_DIM], "bf16/fp16/fp32 [T, 128]", contiguous=False)
     _check_rows("k", k)

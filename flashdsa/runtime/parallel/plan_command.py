@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
+from flashdsa.arguments import int_in
 from flashdsa.models.caches import MODES
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size`` and ``--enable-expert-parallel``, shared by every model command."""
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int_in(1), default=1,
                         help="ranks (one process per GPU) the model is split over (default 1)")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split the routed experts over the ranks instead of each expert's width")
