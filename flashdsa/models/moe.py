@@ -57,7 +57,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing runs in fp32
+        with torch.autocast(x.device.type, enabled=False):  # routing runs in fp32, also under training's autocast
+            logits = F.linear(x.float(), self.weight.float())  # [T, E]
         return select_experts(logits, self.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group,
                               c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, backend=backend)
 
