@@ -62,7 +62,8 @@ def device_type(text: str):
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = False, mode: str = "production",
                         device: Optional[str] = None) -> None:
     """``--model`` (a checkpoint directory or Hub repo id; default the embedded model unless
-    ``required``), ``--device`` (default ``device``, else CUDA when present) and ``--mode``."""
+    ``required``), ``--device`` (default ``device``, else CUDA when present), ``--mode`` and
+    ``--quantization``."""
     default = "the embedded Shakespeare model" if not required else None
     parser.add_argument("--model", required=required, type=str, help="checkpoint directory (HF layout) or Hugging "
                         "Face repo id (from the HF cache, downloaded if missing)" + (f"; default: {default}" if
@@ -71,6 +72,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = Fal
                         help=f"cpu, cuda or cuda:N (default: {device or 'cuda when present, else cpu'})")
     parser.add_argument("--mode", choices=MODES, default=mode,
                         help=f"precision mode: production = FP8 caches and indexer, reference = exact (default {mode})")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: store a bf16 checkpoint's linear layers and experts as e4m3 with 128x128 block "
+                             "scales (FP8 checkpoints always load that way)")
 
 
 def output_directory(text: str) -> Path:

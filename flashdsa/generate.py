@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample among the k best tokens (default 40; 0: off)")
     parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="sampling seed (default 0)")
     add_parallel_arguments(parser)
+    parser.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
                         help="1: draft a token per step with the model's MTP layer, verified by the model (default 0)")
     parser.add_argument("--verbose", action="store_true", help="also print the speculative acceptance rate")
@@ -48,12 +49,14 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return render_chat(tokenizer, [{"role": "user", "content": text}])[1] if chat else tokenizer(text).input_ids
 
 
-def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int, speculative_tokens: int = 0) -> LLMEngine:
+def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int, speculative_tokens: int = 0,
+                          enforce_eager: bool = False) -> LLMEngine:
     """An engine whose cache holds one sequence of ``max_len`` tokens (capped at the model's
     positions), rather than the serving default of as many blocks as memory allows."""
     max_len = min(max_len, model.config.max_position_embeddings)
     config = EngineConfig(max_num_seqs=1, max_model_len=max_len, num_blocks=-(-max_len // BLOCK_SIZE),
-                          enable_prefix_caching=False, speculative_tokens=speculative_tokens)
+                          enable_prefix_caching=False, speculative_tokens=speculative_tokens,
+                          enforce_eager=enforce_eager)
     return LLMEngine(model, tokenizer, config)
 
 
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = parallel_config(args, "generate")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    model, tokenizer = open_model(args.model, args.device, args.mode, parallel=parallel,
+    model, tokenizer = open_model(args.model, args.device, args.mode, args.quantization, parallel,
                                   mtp=args.speculative_tokens > 0)
     with blame("--chat", (Exception,)):  # a chat template that is missing or fails to render
         prompt = encode_prompt(tokenizer, args.prompt, args.chat)
@@ -109,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < len(prompt) < positions:
         raise ArgumentError("--prompt", f"has {len(prompt)} tokens; the model takes 1 to {positions - 1} "
                                         f"(and {positions} with the output)")
-    engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens, args.speculative_tokens)
+    engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens, args.speculative_tokens,
+                                   args.enforce_eager)
 
     def write(text: str) -> None:
         sys.stdout.write(text)

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise ArgumentError("--tokens", f"at most the model's {config.max_position_embeddings} positions, "
                                         f"got {args.tokens}")
     has_mtp = config.num_nextn_predict_layers > 0 and parallel.tensor_parallel_size == 1
-    model, tokenizer = open_model(path, args.device, args.mode, parallel=parallel, mtp=has_mtp)
+    model, tokenizer = open_model(path, args.device, args.mode, args.quantization, parallel, mtp=has_mtp)
     ids = prompt_tokens(tokenizer, args.tokens).to(args.device)
     hf_run = run_hf(load_hf_reference(path, args.device), ids)
     report = compare(hf_run, run_flashdsa(model, ids.to(model.device)), args.mode)

@@ -81,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults: 'auto' reads the model's generation_config.json, 'none' ignores it, "
                              "or a directory holding one")
     add_parallel_arguments(parser)
+    parser.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
     parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
                         help="1: speculative decoding, one token drafted per step by the model's MTP layer")
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                           cache_fraction=args.cache_fraction, enable_prefix_caching=not args.no_prefix_caching,
-                          speculative_tokens=args.speculative_tokens)
+                          speculative_tokens=args.speculative_tokens, enforce_eager=args.enforce_eager)
     parallel = parallel_config(args, "serve")
     path = resolve_model(args.model)
     with blame("--max-model-len"):  # checked before the weights load
@@ -133,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     limits = RequestLimits(args.max_request_bytes, args.max_n, args.max_stop, args.max_logprob_entries)
     # Under torchrun every rank runs this command; only rank 0 serves (the others stay in open_model).
     sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
-    model, tokenizer = open_model(path, args.device, args.mode, parallel=parallel, mtp=args.speculative_tokens > 0)
+    model, tokenizer = open_model(path, args.device, args.mode, args.quantization, parallel,
+                                  mtp=args.speculative_tokens > 0)
     name = args.served_model_name or served_name(args.model, path)
     app = make_app(model, tokenizer, name, config, args.max_queued, args.api_key, limits, defaults)
     engine = app.state.server.llm.engine

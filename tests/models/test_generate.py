@@ -97,3 +97,14 @@ def test_generate_command_defaults_to_the_embedded_model(capsys):
     out = capsys.readouterr().out.splitlines()
     assert "".join(out[:-1]).strip(), out  # some text before the timings
     assert re.fullmatch(r"\[prompt \d+ tokens, [\d.]+ tok/s \| generated 4 tokens, [\d.]+ tok/s\]", out[-1]), out[-1]
+
+
+def test_generate_command_quantizes_a_bf16_checkpoint_to_fp8_and_runs_eagerly(capsys):
+    """--quantization fp8 turns the embedded bf16 model's linear layers into e4m3 (--enforce-eager:
+    no CUDA graphs); the text still comes out, and an unknown scheme is one line, exit 2."""
+    code = main(["generate", "--device", "cpu", "--max-tokens", "8", "--temperature", "0", "--quantization", "fp8",
+                 "--enforce-eager"])
+    assert code == 0 and re.search(r"generated 8 tokens", capsys.readouterr().out)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--quantization", "int4"])
+    assert exit_info.value.code == 2 and "--quantization" in capsys.readouterr().err
