@@ -13,10 +13,11 @@ import asyncio
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.structured import StructuredOutputsParams
+from flashdsa.serve.api_model import APIModel
 
 
 class FieldError(ValueError):
@@ -27,7 +28,7 @@ class FieldError(ValueError):
         self.param = param
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(APIModel):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
@@ -36,12 +37,12 @@ class JsonSchemaFormat(BaseModel):
     strict: Optional[bool] = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(APIModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class StructuredFields(BaseModel):
+class StructuredFields(APIModel):
     """The structured-output fields shared by completions and chat completions."""
 
     response_format: Optional[ResponseFormat] = None

@@ -19,11 +19,11 @@ from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
 import xgrammar as xgr
-from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.structured import MAX_JSON_WHITESPACE, StructuredOutputsParams
+from flashdsa.serve.api_model import APIModel
 from flashdsa.serve.structured import FieldError, with_grammar
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; the name is quoted in the DSML call
@@ -31,39 +31,39 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule; the name is quo
 RESERVED_TEMPLATE_KWARGS = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(APIModel):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
 
-class Tool(BaseModel):
+class Tool(APIModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(APIModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(APIModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(APIModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
+class ToolCall(APIModel):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ToolFields(BaseModel):
+class ToolFields(APIModel):
     """The chat request's tool and reasoning fields."""
 
     tools: Optional[list[Tool]] = None

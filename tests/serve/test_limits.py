@@ -91,12 +91,20 @@ def test_places_in_flight_are_exact_and_the_503_says_why(server):
     body = {"prompt": "Rain falls", "max_tokens": 300, "ignore_eos": True, "stream": True}
 
     async def burst():
+        answered, everyone = [0], asyncio.Event()  # accepted streams hold their places until all 24 are answered
+
+        def count() -> None:
+            answered[0] += 1
+            if answered[0] == 24:
+                everyone.set()
+
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
             async def one():
                 async with client.stream("POST", "/v1/completions", json=body) as r:
+                    count()
                     if r.status_code == 200:
-                        await r.aiter_lines().__anext__()  # streaming: hold the place until the burst is over
-                        await asyncio.sleep(1.0)
+                        await r.aiter_lines().__anext__()
+                        await asyncio.wait_for(everyone.wait(), 60)
                         return 200, ""
                     return r.status_code, (await r.aread()).decode()
             return await asyncio.gather(*(one() for _ in range(24)))

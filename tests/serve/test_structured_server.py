@@ -63,9 +63,11 @@ def test_json_schema_holds_on_chat_and_completions(default_server):
     client = client_of(default_server)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 
-    def streamed_json_object() -> str:
+    def streamed_json_object() -> str:  # a small object: json_object alone lets the model ramble past max_tokens
+        small = {"type": "json_schema", "json_schema": {"name": "flag", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            messages=ASK, response_format={"type": "json_object"}, max_tokens=200, stream=True, **greedy()) if c.choices)
+            messages=ASK, response_format=small, max_tokens=200, stream=True, **greedy()) if c.choices)
 
     with ThreadPoolExecutor(3) as pool:  # one batch
         chat = pool.submit(client.chat.completions.create, messages=ASK, response_format=fmt, max_tokens=200, **greedy())
