@@ -182,3 +182,21 @@ def test_generation_config_json_gives_the_sampling_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 7.0}))
     with pytest.raises(ValueError, match="top_p"):
         generation_defaults(tmp_path)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": "hi", "bogus": 1}]}, "bogus"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object", "strict": 1}},
+     "strict"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameterz": {}}}]}, "parameterz"),
+])
+def test_undeclared_nested_fields_are_a_400_naming_them(server, body, field):
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, **body})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+def test_a_message_may_carry_a_participant_name(server):
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi", "name": "ann"}]})
+    assert r.status_code == 200, r.text
