@@ -35,7 +35,7 @@ QUALITY_TOKENS = 256
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    model = load(args.checkpoint, ParallelConfig(args.tp, args.ep), "cuda")
+    model = load(args.checkpoint, ParallelConfig(args.tp, args.ep), "cuda", args.mode)
     ids = torch.randint(3, model.config.vocab_size, (QUALITY_TOKENS,), generator=torch.Generator().manual_seed(0))
     table = contiguous_block_tables([QUALITY_TOKENS])
     runner = ModelRunner(model, int(table.max()) + 1, model.device)
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> None:
         batch, context = map(int, point.split("x"))
         rows += [r.__dict__ for r in decode_point(model, tokenizer, batch, context, args.steps, False, bandwidth)]
         print(rows[-1], flush=True)
-    out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "tp": args.tp, "ep": args.ep, "decode": rows}))
+    out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "tp": args.tp, "ep": args.ep, "mode": args.mode,
+                               "decode": rows}))
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -84,6 +85,8 @@ def main() -> None:
     p.add_argument("--ep", action="store_true")
     p.add_argument("--decode", default="", help="batch x context points, comma separated")
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--mode", choices=["production", "reference"], default="production",
+                   help="precision mode; reference isolates the split from the FP8 indexer's near-tie flips")
     p.add_argument("--out", required=True)
     r = sub.add_parser("report")
     r.add_argument("runs", nargs="+")
