@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.runtime.fp8 import E4M3
-from flashdsa.runtime.gemm import GROUP, fp8_linear, quantize_weight
-from flashdsa.runtime.gemm.reference import dequantize_weight
+from flashdsa.runtime.gemm import GROUP, dequantize_weight, fp8_linear, quantize_weight
 
 SCALE_SUFFIX = "_scale_inv"
 

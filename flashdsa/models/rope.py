@@ -13,8 +13,7 @@ import math
 import torch
 
 from flashdsa.models.config import DeepseekV32Config
-from flashdsa.runtime.rope import apply_rope_
-from flashdsa.runtime.rope.reference import cos_sin, rotate
+from flashdsa.runtime.rope import apply_rope_, cos_sin, rotate
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

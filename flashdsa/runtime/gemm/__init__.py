@@ -25,7 +25,7 @@ from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import reference
 from flashdsa.runtime.gemm.reference import GROUP
 
-__all__ = ["GROUP", "quantize_activations", "quantize_weight", "fp8_gemm", "fp8_linear"]
+__all__ = ["GROUP", "quantize_activations", "quantize_weight", "dequantize_weight", "fp8_gemm", "fp8_linear"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,6 +70,18 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     official checkpoints' format: returns ``(w_fp8: [N, K], w_scale: [ceil(N/128), ceil(K/128)] fp32)``."""
     check_tensor("w", w, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [N, K]")
     return reference.quantize_weight(w)
+
+
+def dequantize_weight(w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``w_fp8: [N, K]`` e4m3 times its block scales ``[ceil(N/128), ceil(K/128)]`` -> fp32 ``[N, K]``
+    (reference mode, and layers that absorb the weight into another product)."""
+    check_tensor("w_fp8", w_fp8, E4M3, [None, None], "float8_e4m3fn [N, K]")
+    n, k = w_fp8.shape
+    check_tensor("w_scale", w_scale, torch.float32, [_groups(n), _groups(k)],
+                 f"fp32 [ceil(N/128)={_groups(n)}, ceil(K/128)={_groups(k)}]", w_fp8.device)
+    from flashdsa.runtime.gemm.reference import dequantize_weight as impl
+
+    return impl(w_fp8, w_scale)
 
 
 def _check_gemm(x_fp8, x_scale, w_fp8, w_scale) -> None:

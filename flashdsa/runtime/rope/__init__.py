@@ -8,7 +8,9 @@ kernel replaces the ~8 elementwise kernels of each torch rotation plus the cos/s
 the split/cat around them: a decode step runs two ropes a layer.
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, the models' expressions) and
-``triton`` (CUDA; bf16 results equal the reference's bit for bit, fp16/fp32 within an ulp).
+``triton`` (CUDA; within an ulp of the reference: one rounding of ``a*c - b*s`` where torch rounds
+three times). ``cos_sin`` and ``rotate`` are those torch expressions out of place, for autograd
+(training) and reference mode.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.checks import check, check_tensor
+from flashdsa.runtime.rope.reference import cos_sin, rotate
 
-__all__ = ["apply_rope_"]
+__all__ = ["apply_rope_", "cos_sin", "rotate"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
