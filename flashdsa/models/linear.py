@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.runtime.fp8 import E4M3
-from flashdsa.runtime.gemm import GROUP, dequantize_weight, fp8_linear, quantize_weight
+from flashdsa.runtime.gemm import GROUP, dequantize_weight, fp8_linear
 
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # checkpoint name of an e4m3 tensor's block scales: "<name>_scale_inv"
 
 
 class FP8Linear(nn.Module):
@@ -29,23 +29,12 @@ class FP8Linear(nn.Module):
         self.quantize_activations, self.pow2_scales = quantize_activations, pow2_scales
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3), requires_grad=False)
         scale_shape = (-(-out_features // GROUP), -(-in_features // GROUP))
-        self.register_buffer("weight_scale_inv", torch.empty(scale_shape, dtype=torch.float32))
+        self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(scale_shape, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantize_activations:
             return fp8_linear(x, self.weight, self.weight_scale_inv, pow2_scales=self.pow2_scales)
         return F.linear(x, dequantize_weight(self.weight, self.weight_scale_inv).to(x.dtype))
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight as fp32 ``[out, in]`` (for layers that absorb it into another product)."""
-        return dequantize_weight(self.weight, self.weight_scale_inv)
-
-    @torch.no_grad()
-    def set_weight(self, w: torch.Tensor) -> None:
-        """Quantize a float ``w: [out, in]`` into this layer (``--quantization fp8`` of a bf16 checkpoint)."""
-        w_fp8, scale = quantize_weight(w)
-        self.weight.copy_(w_fp8)
-        self.weight_scale_inv.copy_(scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.models.mtp import add_mtp_layer, model_name
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_weight
@@ -33,7 +34,6 @@ from flashdsa.runtime.parallel.sharding import Placement, placement
 
 logger = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 

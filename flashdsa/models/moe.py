@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.moe import fused_moe, select_experts
 from flashdsa.runtime.parallel.shard import Shard
 
-SCALE_SUFFIX = "_scale_inv"
 
 
 class MLP(nn.Module):

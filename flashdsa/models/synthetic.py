@@ -11,7 +11,6 @@ loader, engine and server run it unchanged.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -21,10 +20,8 @@ from tqdm import tqdm
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.models.mtp import add_mtp_layer, checkpoint_name
-from flashdsa.runtime.gemm import quantize_weight
+from flashdsa.models.tiny import init_value, to_fp8
 
-# Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
-NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
 
 V32_CONFIG = dict(
     model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], torch_dtype="bfloat16",
@@ -48,21 +45,6 @@ def v32_config(num_layers: int = 4, **overrides) -> dict:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     return {**V32_CONFIG, "num_hidden_layers": num_layers, "first_k_dense_replace": min(3, num_layers - 1),
             **overrides}
-
-
-def _random_tensor(name: str, shape: torch.Size, layers: int, gen: torch.Generator, device: torch.device):
-    """A tensor with O(1) activations: unit norms, small biases, Linear weights ~ N(0, 1/fan_in)."""
-    if name.endswith("e_score_correction_bias"):
-        return 0.05 * torch.randn(shape, generator=gen, device=device)
-    if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-    if name.endswith("norm.bias"):
-        return 0.1 * torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-    w = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
-    if name.endswith("embed_tokens.weight"):
-        return w
-    scale = 1 / math.sqrt(shape[1]) / (math.sqrt(2 * layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1)
-    return w * scale
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
@@ -101,11 +83,11 @@ def write_random_checkpoint(path: str | Path, raw_config: dict, device: str | to
     weight_map = {}
     for i, (group, names) in enumerate(tqdm(sorted(groups.items()), desc="writing random shards", unit="shard")):
         tensors = {}
-        for name in names:
-            t = _random_tensor(name, shapes[name], config.num_hidden_layers, gen, device)
-            if fp8 and t.dim() == 2 and not name.endswith(NOT_FP8):
-                t, tensors[name + "_scale_inv"] = quantize_weight(t)
-            tensors[name] = t
+        for name in names:  # the bias's noise in fp32, the rest in bf16 (half the random bytes)
+            dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+            noise = torch.randn(shapes[name], generator=gen, device=device, dtype=dtype)
+            tensors[name] = init_value(name, noise, config.num_hidden_layers)
+        tensors = to_fp8(tensors) if fp8 else tensors
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
                   metadata={"format": "pt"})

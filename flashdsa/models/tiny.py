@@ -21,9 +21,8 @@ from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 from flashdsa.models.mtp import add_mtp_layer, checkpoint_tensors
 from flashdsa.models.tiny_tokenizer import save_tokenizer
-from flashdsa.runtime.fp8 import E4M3, E4M3_MAX
+from flashdsa.runtime.gemm import GROUP, quantize_weight
 
-FP8_BLOCK = 128
 # Weights the official FP8 checkpoint keeps in bf16 (everything else 2-D is e4m3).
 NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight")
 RESIDUAL_OUT = ("o_proj.weight", "down_proj.weight")
@@ -50,6 +49,25 @@ def tiny_config(shrink: bool = False, vocab_size: int = 512) -> DeepseekV32Confi
     return DeepseekV32Config.from_dict({**COMMON, **(SHRUNK if shrink else FULL), "vocab_size": vocab_size})
 
 
+def init_value(name: str, noise: torch.Tensor, num_layers: int) -> torch.Tensor:
+    """Checkpoint tensor ``name`` from standard-normal ``noise`` of its shape, with O(1)
+    activations: norms near 1, small biases and correction biases (fp32), a Linear ``[out, in]``
+    ~ N(0, 1/in), the residual branches' outputs scaled down as in GPT-2; bf16 but the bias."""
+    if name.endswith("e_score_correction_bias"):
+        return (0.05 * noise).float()
+    if name.endswith("norm.weight"):
+        w = 1.0 + 0.1 * noise
+    elif name.endswith("norm.bias"):
+        w = 0.1 * noise
+    elif name.endswith("embed_tokens.weight"):
+        w = noise
+    else:
+        w = noise / math.sqrt(noise.shape[1])
+        if name.endswith(RESIDUAL_OUT):
+            w = w / math.sqrt(2 * num_layers)
+    return w.to(torch.bfloat16)
+
+
 def random_weights(config: DeepseekV32Config, seed: int, mtp: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor the model expects (with ``mtp``, the MTP layer's too, under the checkpoint's
     names), bf16 (the correction bias fp32), with O(1) activations."""
@@ -62,40 +80,17 @@ def random_weights(config: DeepseekV32Config, seed: int, mtp: bool = False) -> d
     out = {}
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen)
-        if name.endswith("e_score_correction_bias"):
-            out[name] = (0.05 * noise).float()
-            continue
-        if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * noise
-        elif name.endswith("norm.bias"):
-            w = 0.1 * noise
-        elif name.endswith("embed_tokens.weight"):
-            w = noise
-        else:  # a Linear [out, in]; the residual branches' outputs scaled down as in GPT-2
-            w = noise / math.sqrt(shape[1])
-            if name.endswith(RESIDUAL_OUT):
-                w = w / math.sqrt(2 * config.num_hidden_layers)
-        out[name] = w.to(torch.bfloat16)
+        out[name] = init_value(name, noise, config.num_hidden_layers)
     return checkpoint_tensors(model, out)
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w: [m, n]`` -> (e4m3 ``[m, n]``, ``weight_scale_inv`` fp32 ``[ceil(m/128), ceil(n/128)]``)."""
-    m, n = w.shape
-    pm, pn = -(-m // FP8_BLOCK) * FP8_BLOCK, -(-n // FP8_BLOCK) * FP8_BLOCK
-    padded = torch.zeros(pm, pn)
-    padded[:m, :n] = w.float()
-    blocks = padded.view(pm // FP8_BLOCK, FP8_BLOCK, pn // FP8_BLOCK, FP8_BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(1e-12)  # [pm/128, pn/128]
-    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(pm, pn)[:m, :n]
-    return q.to(E4M3).contiguous(), scale
-
-
 def to_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors as the official FP8 checkpoint stores them: every 2-D weight but
+    ``NOT_FP8`` e4m3 with its 128x128 ``weight_scale_inv`` blocks."""
     out = {}
     for name, w in weights.items():
         if w.dim() == 2 and not name.endswith(NOT_FP8):
-            out[name], out[name + "_scale_inv"] = quantize_blocks(w)
+            out[name], out[name + "_scale_inv"] = quantize_weight(w)
         else:
             out[name] = w
     return out
@@ -129,7 +124,7 @@ def make_tiny_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, 
     config = tiny_config(shrink, vocab_size)
     if fp8:
         config.quantization_config = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-                                          weight_block_size=[FP8_BLOCK, FP8_BLOCK])
+                                          weight_block_size=[GROUP, GROUP])
     config.num_nextn_predict_layers = int(mtp)
     weights = random_weights(config, seed, mtp)
     save_shards(path, to_fp8(weights) if fp8 else weights, shards)

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.loader import dequantize_blocks, load_model
-from flashdsa.models.tiny import make_tiny_checkpoint, quantize_blocks
+from flashdsa.models.tiny import make_tiny_checkpoint
+from flashdsa.runtime.gemm import quantize_weight
 
 
 def _state(model):
@@ -40,7 +41,7 @@ def test_fp8_checkpoint_keeps_e4m3_weights_that_match_the_bf16_ones(shrunk, tmp_
     assert state["model.layers.0.self_attn.q_a_proj.weight_scale_inv"].dtype == torch.float32
     reference = _state(load_model(shrunk, mode="reference"))
     name = "model.layers.0.self_attn.kv_b_proj.weight"  # FP8_EXEMPT: dequantized exactly at load
-    q, scale = quantize_blocks(reference[name])
+    q, scale = quantize_weight(reference[name])
     assert state[name].dtype == torch.float32 and torch.equal(state[name], dequantize_blocks(q, scale, (128, 128)))
     dequantized = _dequantized_state(model)
     assert dequantized.keys() == reference.keys()
