@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_decode_indexer import copy_bandwidth  # noqa: E402
 from benchmarks.common import output_parser, report, Row  # noqa: E402
 from flashdsa.models.loader import load_model  # noqa: E402
 from flashdsa.models.synthetic import v32_config, write_random_checkpoint  # noqa: E402
@@ -41,21 +42,6 @@ DECODE_POINTS = ((1, 4096), (1, 32768), (32, 4096), (128, 2048), (128, 16384))
 PREFILL_LENGTHS = (16384, 65536)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device copy, bytes read and written per second: the memory bandwidth a read-only stream reaches."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def fp8_gemm_rate(n: int = 8192) -> float:
@@ -227,7 +213,7 @@ def main() -> None:
         model = load_model(tmp, device="cuda")
         load_s = time.perf_counter() - t0
         tokenizer = AutoTokenizer.from_pretrained(tmp)
-    bandwidth, rate = copy_bandwidth(), fp8_gemm_rate()
+    bandwidth, rate = copy_bandwidth("cuda") * 1e9, fp8_gemm_rate()  # bytes/s, read + write
     rows = []
     for point in filter(None, args.points.split(",")):
         batch, context = map(int, point.split("x"))

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_e2e import copy_bandwidth, decode_point  # noqa: E402
+from benchmarks.bench_decode_indexer import copy_bandwidth  # noqa: E402
+from benchmarks.bench_e2e import decode_point  # noqa: E402
 from benchmarks.common import Row, report  # noqa: E402
 from flashdsa.models.batch import contiguous_block_tables, step_metadata  # noqa: E402
 from flashdsa.runtime.model_runner import ModelRunner  # noqa: E402
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
     torch.save(logits, out.with_suffix(".logits.pt"))
     del runner
     rows = []
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda") * 1e9  # bytes/s, read + write
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     for point in filter(None, args.decode.split(",")):
         batch, context = map(int, point.split("x"))
