@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bench_decode_indexer import copy_bandwidth
-from benchmarks.common import Row, kernel_split, median_ms, output_parser, report
+from benchmarks.common import Row, graph_ms, kernel_split, median_ms, output_parser, report
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_activations
 from flashdsa.runtime.moe import max_blocks, select_experts
@@ -87,18 +87,6 @@ def moe_call(inputs: dict, experts: dict, fp8: bool, config=None):
     return lambda: fused_moe.fused_moe(inputs["x"], experts["w13"], experts["w2"], inputs["weights"],
                                        inputs["expert_ids"], experts.get("w13_scale"), experts.get("w2_scale"),
                                        fp8, True, None, config=config)
-
-
-def graph_ms(calls) -> float:
-    """Median device time of the calls replayed from CUDA graphs (one graph per input set)."""
-    graphs = []
-    for call in calls:
-        call()  # compile and allocate outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-        graphs.append(graph)
-    return median_ms([g.replay for g in graphs])
 
 
 def dense_anchor_tflops(tokens: int, fp8: bool, device) -> float:

@@ -43,6 +43,20 @@ def median_ms(calls: Sequence[Callable[[], object]], warmup: int = 3, iters: int
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(calls: Sequence[Callable[[], object]], per_graph: int = 16) -> float:
+    """Median device time in ms of one call when the calls run back to back from one CUDA graph,
+    as a decode step replays them: no host launch cost, ``per_graph`` calls cycling through
+    ``calls`` (one per input set, so the weights come from memory, not L2)."""
+    for call in calls:
+        call()  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(per_graph):
+            calls[i % len(calls)]()
+    return median_ms([graph.replay], iters=10) / per_graph
+
+
 @dataclass
 class Row:
     kernel: str

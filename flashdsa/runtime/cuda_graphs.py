@@ -116,16 +116,22 @@ class DecodeGraphs:
         out = self.outputs[bucket]
         return (out[0][:n], out[1][:n]) if self.speculative else out[:n]
 
-    def replay_draft(self, next_ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def replay_draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[len(rows), vocab]`` of the MTP layer after the last :meth:`replay`:
-        ``next_ids: [B * q]`` the token after each of its tokens, ``rows`` one flat token per sequence."""
+        ``next_ids: [B * q]`` the token after each of its tokens, ``rows: [B]`` one flat token per
+        sequence. On the host they travel in one copy; on the device they are copied in place
+        (stream-ordered after the step, no host round trip)."""
         bucket = next(b for b in self.buckets if b >= self.batch)
-        s = self.staging
-        s[self.offsets["next_ids"] : self.offsets["next_ids"] + next_ids.numel()] = next_ids
-        s[self.offsets["rows"] : self.offsets["rows"] + len(rows)] = torch.tensor(rows, dtype=torch.int64)
-        self.inputs[: self.table_offset].copy_(s[: self.table_offset], non_blocking=True)
+        if next_ids.is_cuda:
+            self._field("next_ids", next_ids.numel()).copy_(next_ids)
+            self._field("rows", rows.numel()).copy_(rows)
+        else:
+            s = self.staging
+            s[self.offsets["next_ids"] : self.offsets["next_ids"] + next_ids.numel()] = next_ids
+            s[self.offsets["rows"] : self.offsets["rows"] + rows.numel()] = rows
+            self.inputs[: self.table_offset].copy_(s[: self.table_offset], non_blocking=True)
         self.draft_graphs[bucket].replay()
-        return self.draft_outputs[bucket][: len(rows)]
+        return self.draft_outputs[bucket][: rows.numel()]
 
     def _fill_padding(self, first: int, last: int) -> None:
         """Sequences [first, last): token 0 at positions 0.. of a q-token context in block 0,

@@ -22,7 +22,7 @@ from flashdsa.runtime.checks import check
 from flashdsa.runtime.detokenizer import Detokenizer
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits
 from flashdsa.runtime.sampler import sample_each, token_logprobs
-from flashdsa.runtime.speculative import mtp_inputs, sample_step
+from flashdsa.runtime.speculative import mtp_inputs, plain_greedy, sample_step, verify_greedy_on_device
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from flashdsa.runtime.sequence import BLOCK_SIZE, RequestOutput, Sequence, TokenLogprobs
@@ -190,9 +190,11 @@ class LLMEngine:
                 outputs.append(self._output(seq, [], "", []))
             elif chunk.samples:  # its last token's row (a draft's row follows it)
                 sampling.append((chunk, step_logits.row_start[i] + step_logits.num_rows[i] - 1 - (chunk.draft is not None)))
-        results = self._sample([c for c, _ in sampling], step_logits.logits, [row for _, row in sampling])
-        if self.runner.speculative:
-            self._draft(chunks, {id(c.seq): r[0] for (c, _), r in zip(sampling, results) if not isinstance(r, Exception)})
+        results = self._verify_on_device(chunks, sampling, step_logits.logits)
+        if results is None:
+            results = self._sample([c for c, _ in sampling], step_logits.logits, [row for _, row in sampling])
+            if self.runner.speculative:
+                self._draft(chunks, {id(c.seq): r[0] for (c, _), r in zip(sampling, results) if not isinstance(r, Exception)})
         for (chunk, _), result in zip(sampling, results):
             seq = chunk.seq
             if isinstance(result, Exception):
@@ -226,13 +228,34 @@ class LLMEngine:
                 return list(zip(step.tokens, step.logprobs))
         return [r if isinstance(r, Exception) else ([r[0]], [r[1]]) for r in sample_each(logits[rows], seqs, bitmask)]
 
+    def _verify_on_device(self, chunks: list[ScheduledChunk], sampling: list, logits: torch.Tensor) -> Optional[list]:
+        """A speculative decode step of plain greedy requests only (every chunk samples, with a
+        draft): verify and draft on the device in one read-back (``verify_greedy_on_device``).
+        None when the step does not qualify or that fails (the general path then runs)."""
+        if not (self.runner.speculative and len(sampling) == len(chunks)
+                and all(c.num_tokens == 1 and c.draft is not None and plain_greedy(c.seq) for c in chunks)):
+            return None
+        try:
+            tokens, drafts = verify_greedy_on_device(self.runner, logits, chunks)
+        except Exception:
+            logger.exception("verifying %d drafts on the device failed; using the general path", len(chunks))
+            return None
+        for chunk, new, draft in zip(chunks, tokens, drafts):
+            seq = chunk.seq
+            seq.num_computed_tokens += len(new) - 1  # an accepted draft is in the cache already
+            seq.draft_token = draft if len(seq) + len(new) < self.max_model_len else None
+        self.num_draft_tokens += len(chunks)
+        self.num_accepted_tokens += sum(len(new) - 1 for new in tokens)
+        return [(new, [None] * len(new)) for new in tokens]
+
     def _draft(self, chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]) -> None:
         """Run the MTP layer over the step and set the next draft of every sequence that sampled
         (none where the draft's position would pass max_model_len). Drafts only save time: if the
         MTP layer fails, the sequences go on without one."""
         next_ids, rows, owners = mtp_inputs(chunks, new_tokens)
         try:
-            drafts = self.runner.draft(next_ids, rows)
+            ids, flat = torch.tensor(next_ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+            drafts = self.runner.draft(ids, flat).argmax(dim=1).tolist()
         except Exception:
             logger.exception("the MTP layer failed; this step drafts nothing")
             drafts = [None] * len(owners)

@@ -112,20 +112,16 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def draft(self, next_ids: list[int], rows: list[int]) -> list[int]:
-        """The MTP layer's drafts after the last step: ``next_ids[j]`` is the token that follows
-        flat token j of that step (any id where unknown), ``rows`` the flat tokens whose drafts
-        are wanted. Returns one draft token per row (its argmax)."""
+    def draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's draft logits ``[len(rows), vocab]`` after the last step: ``next_ids[j]``
+        (int64, host or device) is the token that follows flat token j of that step (any id where
+        unknown), ``rows`` the flat tokens whose drafts are wanted."""
         meta, hidden = self.last
-        ids = torch.tensor(next_ids, dtype=torch.int64)
         if meta is None:  # the step ran as a CUDA graph: so does its MTP layer
-            logits = self.graphs.replay_draft(ids, rows)
-        else:
-            meta = BatchMetadata(**{**vars(meta), "logits_indices": torch.tensor(rows, dtype=torch.int64,
-                                                                                 device=self.device)})
-            with trusted_values():
-                logits = self.model.mtp_forward(ids.to(self.device), hidden, meta, self.caches)
-        return logits.argmax(dim=-1).tolist()
+            return self.graphs.replay_draft(next_ids, rows)
+        meta = BatchMetadata(**{**vars(meta), "logits_indices": rows.to(self.device)})
+        with trusted_values():
+            return self.model.mtp_forward(next_ids.to(self.device), hidden, meta, self.caches)
 
 
 def _is_decode(chunks: list[ScheduledChunk], speculative: bool = False) -> bool:

@@ -17,13 +17,16 @@ distribution is the main model's under the request's sampling parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from flashdsa.runtime.sampler import adjust_logits, draw, sample, sampled_logprobs, sampling_probs
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
+
+if TYPE_CHECKING:
+    from flashdsa.runtime.model_runner import ModelRunner
 
 
 @dataclass
@@ -123,3 +126,33 @@ def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
             rows.append(first + len(ext) - 2 - chunk.start)
             owners.append((seq, len(ext)))
     return next_ids, rows, owners
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy, no logprobs, and nothing that reshapes its logits (bias, penalties, a grammar, EOS
+    held back by min_tokens): its tokens are plain argmaxes, which the device can verify alone."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and seq.matcher is None and not p.logit_bias
+            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and seq.num_output_tokens >= p.min_tokens)
+
+
+def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor, chunks: list[ScheduledChunk]
+                            ) -> tuple[list[list[int]], list[Optional[int]]]:
+    """A decode step whose chunks are each one token plus a draft of a ``plain_greedy`` request,
+    flat tokens [t_0, d_0, t_1, d_1, ...] and logits rows in the same order: each chunk's new tokens
+    (t_n = argmax of its first row; t_{n+1} = argmax of the second when d = t_n) and the MTP layer's
+    next draft, drafted from the same device tensors (its inputs never visit the host), so the
+    step reads the device once instead of four times."""
+    device = logits.device
+    picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
+    drafts = torch.tensor([c.draft for c in chunks], device=device)
+    accepted = picks[0::2] == drafts
+    # MTP inputs: the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if accepted);
+    # each sequence drafts from its last committed token.
+    rows = torch.arange(len(chunks), device=device) * 2 + accepted
+    next_drafts = runner.draft(picks, rows).argmax(dim=1)
+    values = torch.cat([picks, accepted.long(), next_drafts]).tolist()
+    n = len(chunks)
+    tokens = [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)]
+    return tokens, values[3 * n :]

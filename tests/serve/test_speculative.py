@@ -41,6 +41,31 @@ def test_greedy_output_is_identical_with_and_without_speculation(mtp_checkpoint)
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_device_verification_matches_the_general_path(mtp_checkpoint, monkeypatch):
+    """Plain greedy decode steps verify and draft on the device (one read-back); with logprobs
+    asked the general path runs. Both give the same tokens and accept the same drafts."""
+    from flashdsa.runtime import engine as engine_module
+
+    calls = []
+    verify = engine_module.verify_greedy_on_device
+    monkeypatch.setattr(engine_module, "verify_greedy_on_device", lambda *a: calls.append(1) or verify(*a))
+    options = dict(mode="reference", num_blocks=10, max_num_seqs=6, max_num_batched_tokens=96, speculative_tokens=1)
+    prompts = _prompts(8)
+    results = {}
+    for logprobs in (None, 1):
+        llm = LLM(mtp_checkpoint, **options)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=logprobs)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[logprobs] = ([o.outputs[0].token_ids for o in outs], llm.engine.num_draft_tokens,
+                             llm.engine.num_accepted_tokens)
+        assert llm.engine.block_manager.num_used_blocks == 0
+        if logprobs is None:
+            assert calls, "no step took the device path"
+            calls.clear()
+    assert not calls  # logprobs: the general path only
+    assert results[None] == results[1]
+
+
 def test_stop_strings_and_n_with_speculation(mtp_checkpoint):
     options = dict(mode="reference", num_blocks=16)
     greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
