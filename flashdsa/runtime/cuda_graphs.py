@@ -144,6 +144,10 @@ class DecodeGraphs:
         s[self.offsets["rows"] + first : self.offsets["rows"] + last] = torch.arange(first, last) * q
         s[self.table_offset + first * self.max_blocks : self.table_offset + last * self.max_blocks] = 0
 
+    def input_ids(self, length: int) -> torch.Tensor:
+        """The device copy of the last replay's first ``length`` input ids."""
+        return self._field("ids", length)
+
     def _field(self, name: str, length: int) -> torch.Tensor:
         return self.inputs[self.offsets[name] : self.offsets[name] + length]
 

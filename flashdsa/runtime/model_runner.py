@@ -70,7 +70,8 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.speculative = speculative
-        self.last: tuple[BatchMetadata | None, torch.Tensor] | None = None  # the step's metadata and hidden states
+        # the last step's metadata (None: it ran as a graph), hidden states and input ids on the device
+        self.last: tuple[BatchMetadata | None, torch.Tensor, torch.Tensor] | None = None
         shard = getattr(model, "shard", None)
         if speculative and shard is not None and shard.size > 1:
             raise ValueError("speculative decoding runs on one GPU: use tensor_parallel_size 1")
@@ -101,14 +102,15 @@ class ModelRunner:
         graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
         if graph:
             logits = self.graphs.replay(input_ids, meta)
+            input_ids = self.graphs.input_ids(input_ids.numel())
         else:
-            meta = meta.to(self.device)
+            meta, input_ids = meta.to(self.device), input_ids.to(self.device)
             kwargs = {"return_hidden": True} if self.speculative else {}
             with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
-                logits = self.model(input_ids.to(self.device), meta, self.caches, **kwargs)
+                logits = self.model(input_ids, meta, self.caches, **kwargs)
         if self.speculative:
             logits, hidden = logits
-            self.last = (None if graph else meta, hidden)
+            self.last = (None if graph else meta, hidden, input_ids)
         return logits.float()
 
     @torch.inference_mode()
@@ -116,7 +118,7 @@ class ModelRunner:
         """The MTP layer's draft logits ``[len(rows), vocab]`` after the last step: ``next_ids[j]``
         (int64, host or device) is the token that follows flat token j of that step (any id where
         unknown), ``rows`` the flat tokens whose drafts are wanted."""
-        meta, hidden = self.last
+        meta, hidden, _ = self.last
         if meta is None:  # the step ran as a CUDA graph: so does its MTP layer
             return self.graphs.replay_draft(next_ids, rows)
         meta = BatchMetadata(**{**vars(meta), "logits_indices": rows.to(self.device)})
