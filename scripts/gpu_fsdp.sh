@@ -2,20 +2,27 @@
 # FSDP2 fine-tuning on 2 GPUs (nvidia-h200-x2, NCCL) against 1 GPU, within 4 minutes: the tiny
 # full-width checkpoint (V3.2 attention widths), sparse stage, the same global batch; prints the
 # median step time of each, the speed-up and the largest relative gap between the loss curves.
-# Logs and both runs under $OUT.   bash scripts/gpu_fsdp.sh
-set -euo pipefail
+# Both runs and their logs go to $WORK; $OUT gets fsdp.log (the device tool returns at most 8 files).
+#   bash scripts/gpu_fsdp.sh
+set -uo pipefail
 out=${OUT:-/tmp/flashdsa-fsdp}
-mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/device.txt"
-timeout 60 python3 -m flashdsa make-tiny "$out/tiny" > "$out/make-tiny.log" 2>&1
+work=${WORK:-/tmp/flashdsa-fsdp-work}
+mkdir -p "$out" "$work"
+exec > >(tee -a "$out/fsdp.log") 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv
+[[ -f $work/tiny/config.json ]] || timeout 60 python3 -m flashdsa make-tiny --overwrite "$work/tiny" > "$work/make-tiny.log" 2>&1
 python3 -c "
 import random; r = random.Random(0); w = 'the a king queen lord speak hear my good sir thou art not what is love'.split()
-open('$out/corpus.txt', 'w').write('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(20000)))"
-args=(finetune --model "$out/tiny" --data "$out/corpus.txt" --stage sparse --steps 30 --seq-len 1024
+open('$work/corpus.txt', 'w').write('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(20000)))"
+args=(finetune --model "$work/tiny" --data "$work/corpus.txt" --stage sparse --steps 30 --seq-len 1024
       --batch-tokens 16384 --eval-every 1000 --eval-tokens 2048 --backend triton)
-timeout 90 python3 -m flashdsa "${args[@]}" --output "$out/one" > "$out/one.log" 2>&1
-timeout 90 torchrun --standalone --nproc-per-node 2 -m flashdsa "${args[@]}" --output "$out/two" > "$out/two.log" 2>&1
-python3 - "$out" <<'PY'
+for run in one two; do
+  launcher=(python3 -m flashdsa); [[ $run == two ]] && launcher=(torchrun --standalone --nproc-per-node 2 -m flashdsa)
+  rm -rf "$work/$run"
+  timeout 100 "${launcher[@]}" "${args[@]}" --output "$work/$run" > "$work/$run.log" 2>&1 || echo "FAILED: $run (rc $?)"
+  tail -n 15 "$work/$run.log"
+done
+python3 - "$work" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])

@@ -16,20 +16,24 @@ mkdir -p "$out" "$work"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 status=0
 part() { local name=$1; shift; echo "== $name"; timeout "$TIME" "$@" > "$work/$name.log" 2>&1 || { echo "FAILED: $name"; status=1; }; tail -n 20 "$work/$name.log"; } >> "$out/parallel.log"
-TIME=90 part tests python3 -m pytest -q -rfE tests/parallel tests/models/test_decode_graphs_gpu.py
-TIME=60 part make-tiny python3 -m flashdsa make-tiny --overwrite "$work/tiny"
-TIME=90 part make-v32 python3 -c "from flashdsa.models.synthetic import v32_config, write_random_checkpoint as w; w('$work/v32', v32_config(4), device='cuda')"
-runs=()
-for ckpt in tiny v32; do
+# Parts may be split over calls on one warm machine: TESTS=0 skips the tests, CKPTS and SETTINGS pick
+# the runs ("tiny v32"; "1,2,2 --ep"), checkpoints already in $WORK are reused, and the report
+# covers every run's JSON in $WORK.
+[[ ${TESTS:-1} == 1 ]] && TIME=90 part tests python3 -m pytest -q -rfE tests/parallel tests/models/test_decode_graphs_gpu.py
+[[ -f $work/tiny/config.json ]] || TIME=60 part make-tiny python3 -m flashdsa make-tiny --overwrite "$work/tiny"
+IFS=, read -ra settings <<< "${SETTINGS:-1,2,2 --ep}"
+for ckpt in ${CKPTS:-tiny v32}; do
+  if [[ $ckpt == v32 && ! -f $work/v32/config.json ]]; then
+    TIME=90 part make-v32 python3 -c "from flashdsa.models.synthetic import v32_config, write_random_checkpoint as w; w('$work/v32', v32_config(4), device='cuda')"
+  fi
   decode=""; [[ $ckpt == v32 ]] && decode="${DECODE:-128x2048,128x16384}"
-  for setting in "1" "2" "2 --ep"; do
+  for setting in "${settings[@]}"; do
     tag=$ckpt-tp${setting// /}; tag=${tag//--/}
     mode=$([[ $ckpt == v32 ]] && echo production || echo reference)  # reference: the split alone (BENCHMARKS.md)
-    TIME=$([[ $ckpt == v32 ]] && echo 120 || echo 50) part "$tag" python3 benchmarks/bench_parallel.py run --checkpoint "$work/$ckpt" --tp $setting --mode $mode --decode "$decode" --out "$work/$tag.json" \
-      && runs+=("$work/$tag.json")
+    TIME=$([[ $ckpt == v32 ]] && echo 150 || echo 50) part "$tag" python3 benchmarks/bench_parallel.py run --checkpoint "$work/$ckpt" --tp $setting --mode $mode --decode "$decode" --out "$work/$tag.json"
   done
 done
-TIME=60 part report python3 benchmarks/bench_parallel.py report "${runs[@]}" --output "$markdown"
+TIME=60 part report python3 benchmarks/bench_parallel.py report "$work"/*-tp*.json --output "$markdown"
 cat "$work/report.log"
 echo "2-GPU fine-tuning step time: scripts/gpu_fsdp.sh" | tee -a "$markdown"
 exit $status
