@@ -34,3 +34,12 @@ def test_two_ranks_give_the_single_process_greedy_tokens(checkpoint, single, exp
               enable_expert_parallel=expert_parallel)
     assert llm.engine.runner.model.shard.size == 2
     assert _greedy(llm) == single
+
+
+def test_a_second_engine_on_a_parallel_model_rebuilds_the_workers_runner(checkpoint, single):
+    """A new engine on the same model (as a benchmark sweeping batch sizes builds) sends the
+    workers a new RunnerSpec mid-stream; they replace their caches and follow it."""
+    first = LLM(checkpoint, mode="reference", max_num_seqs=2, tensor_parallel_size=2)
+    first.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+    second = LLM(first.engine.runner.model, first.tokenizer, max_num_seqs=3, num_blocks=12)
+    assert _greedy(second) == single

@@ -4,7 +4,7 @@ Rank 0 owns the scheduler, the block manager and the sampler; the other ranks ow
 part of the model and their copy of the caches. Messages go over the gloo ``cpu_group`` as
 pickled CPU tensors (one broadcast a step): first the :class:`RunnerSpec` the model runner was
 built with (the same caches and CUDA graphs on every rank), then one ``(input_ids, meta, decode)``
-per step, then None to stop.
+per step (a new RunnerSpec when rank 0 builds another engine on the model), then None to stop.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from flashdsa.runtime.parallel.shard import Shard
@@ -43,14 +44,19 @@ def receive(shard: Shard) -> Any:
 
 
 def follow(model) -> None:
-    """A worker rank's life after loading: build the runner rank 0 describes, run every step it sends."""
+    """A worker rank's life after loading: build the runner each RunnerSpec of rank 0 describes (a
+    new engine on the same model sends a new one, replacing the caches and graphs), run every step
+    it sends."""
     from flashdsa.runtime.model_runner import ModelRunner
 
-    spec = receive(model.shard)
-    if spec is None:
-        return
-    runner = ModelRunner(model, spec.num_blocks, model.device, spec.max_num_seqs, spec.max_model_len,
-                         spec.enforce_eager)
-    while (step := receive(model.shard)) is not None:
-        runner.execute(*step)
+    runner = None
+    while (message := receive(model.shard)) is not None:
+        if isinstance(message, RunnerSpec):
+            runner = None  # free the last engine's caches and graphs before allocating the next
+            if model.device.type == "cuda":
+                torch.cuda.empty_cache()
+            runner = ModelRunner(model, message.num_blocks, model.device, message.max_num_seqs,
+                                 message.max_model_len, message.enforce_eager)
+        else:
+            runner.execute(*message)
     logger.info("rank %d: stopped by rank 0", model.shard.rank)
