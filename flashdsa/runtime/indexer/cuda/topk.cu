@@ -17,7 +17,7 @@
 //     order: above the exact threshold key, or level with it and among the first `need`;
 //  5. sorted: a stable radix sort by key, descending (equal keys sit in column order, so the lower
 //     column comes first); unsorted: the two column-ordered lists are merged.
-// Scores stream through 128-bit loads when the rows are 16-byte aligned.
+// Scores stream through 128-bit loads (each row's tiles start at a 16-byte aligned column).
 
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -27,6 +27,7 @@ namespace flashdsa {
 namespace {
 
 constexpr int THREADS = 512;
+constexpr int VEC = 4;                   // scores per 128-bit load
 constexpr int LOADS = 2;                 // 128-bit loads per thread and tile (4 spill at 64 registers)
 constexpr int MAX_TOPK = 2048;           // the selection is held and sorted in shared memory
 constexpr int CAND_CAP = 4096;           // threshold-bin scores resolved in shared memory
@@ -125,8 +126,8 @@ __device__ void pick_digit(int bins, int need, Shared& s) {
 
 // One tile of a row's scores: element (j, i) of thread t sits at column
 // base + (j * THREADS + t) * VEC + i, so (j, t, i) is column order. A score outside [lo, hi) or not
-// finite gets key 0, which no finite score has (the lowest, -FLT_MAX's, is 0x00800000).
-template <int VEC>
+// finite gets key 0, which no finite score has (the lowest, -FLT_MAX's, is 0x00800000). Tiles start
+// where the row's address is 16-byte aligned (first_tile), so inside the row every load is 128-bit.
 struct Tile {
   static constexpr int SIZE = THREADS * VEC * LOADS;
   uint32_t key[LOADS][VEC];
@@ -138,9 +139,9 @@ struct Tile {
     for (int j = 0; j < LOADS; ++j) {
       const int p = pos(base, j, 0);
       float v[VEC];
-      if (VEC == 4 && p + 4 <= width && p < hi) {
+      if (p >= 0 && p + VEC <= width && p < hi) {
         const float4 q = *reinterpret_cast<const float4*>(row + p);
-        if constexpr (VEC == 4) { v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w; }
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[i] = (p + i < hi && p + i >= lo) ? row[p + i] : __int_as_float(0x7f800000);
@@ -151,18 +152,24 @@ struct Tile {
       }
     }
   }
+
+  // The first tile's column: at or below lo, where the row's address is 16-byte aligned (fp32
+  // rows are 4-byte aligned, so some column among lo - 3 .. lo is).
+  __device__ __forceinline__ static int first_tile(const float* row, int lo) {
+    const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(row) / sizeof(float) % VEC);
+    return lo - (lo + misaligned) % VEC;
+  }
 };
 
 // Histogram of digit `level` of the usable keys whose bits above it equal `prefix`.
-template <int VEC>
 __device__ void histogram_row(const float* row, int lo, int hi, int width, int level, uint32_t prefix, Shared& s) {
   for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
   __syncthreads();
   const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
   const int above_shift = level == 0 ? 32 : shift_of(level - 1);
-  Tile<VEC> tile;
+  Tile tile;
 #pragma unroll 2
-  for (int base = lo - lo % VEC; base < hi; base += Tile<VEC>::SIZE) {
+  for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
     tile.load(row, base, lo, hi, width);
 #pragma unroll
     for (int j = 0; j < LOADS; ++j)
@@ -178,13 +185,12 @@ __device__ void histogram_row(const float* row, int lo, int hi, int width, int l
 
 // Ordered pass: columns whose key >> shift is above `prefix` are appended to the selected list,
 // those equal to it to the candidate list (only the first `keep_equal` of them when exact).
-template <int VEC>
 __device__ void collect_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix, bool exact,
                             int keep_equal, int& num_sel, int& num_cand, Shared& s) {
   num_sel = 0;
   num_cand = 0;
-  Tile<VEC> tile;
-  for (int base = lo - lo % VEC; base < hi; base += Tile<VEC>::SIZE) {
+  Tile tile;
+  for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
     tile.load(row, base, lo, hi, width);
     unsigned long long packed_above = 0, packed_equal = 0;  // 16-bit count per load j
 #pragma unroll
@@ -207,7 +213,7 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
       for (int i = 0; i < VEC; ++i) {
         const uint32_t k = tile.key[j][i];
         const uint32_t high = k >> shift;
-        const int p = Tile<VEC>::pos(base, j, i);
+        const int p = Tile::pos(base, j, i);
         if (k != 0 && high > prefix) {
           s.sel_key[a] = k;
           s.sel_pos[a++] = p;
@@ -316,7 +322,6 @@ __device__ void write_by_position(int num_sel, int num_cand, int topk, int* out,
   for (int r = num_sel + num_cand + threadIdx.x; r < topk; r += THREADS) out[r] = -1;
 }
 
-template <int VEC>
 __global__ void __launch_bounds__(THREADS, 2)
 topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const int* __restrict__ starts,
             const int* __restrict__ ends, int topk, bool sorted, int* __restrict__ out, int64_t out_stride) {
@@ -324,10 +329,10 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const int64_t row = blockIdx.x;
   const float* row_ptr = logits + row * stride;
-  const int lo = starts[row], hi = ends[row];
+  const int hi = min(max(ends[row], 0), width), lo = min(max(starts[row], 0), hi);  // never outside the row
   out += row * out_stride;
 
-  histogram_row<VEC>(row_ptr, lo, hi, width, 0, 0, s);
+  histogram_row(row_ptr, lo, hi, width, 0, 0, s);
   pick_digit(BINS, topk, s);
   const int need = s.need;
   if (need == 0) {
@@ -338,7 +343,7 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   int left = need - s.above, count = s.level_count, level = 0;
   while (count > CAND_CAP && level + 1 < LEVELS) {  // a crowded threshold bin: one more digit from the row
     ++level;
-    histogram_row<VEC>(row_ptr, lo, hi, width, level, prefix, s);
+    histogram_row(row_ptr, lo, hi, width, level, prefix, s);
     pick_digit(1 << bits_of(level), left, s);
     prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(s.digit);
     left -= s.above;
@@ -346,7 +351,7 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   }
   const bool exact = level + 1 == LEVELS;
   int num_sel, num_cand;
-  collect_row<VEC>(row_ptr, lo, hi, width, shift_of(level), prefix, exact, left, num_sel, num_cand, s);
+  collect_row(row_ptr, lo, hi, width, shift_of(level), prefix, exact, left, num_sel, num_cand, s);
   if (!exact) num_cand = refine_candidates(num_cand, level + 1, prefix, left, s);
   if (sorted) {
     write_sorted(num_sel, num_cand, topk, out, s);
@@ -355,24 +360,13 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   }
 }
 
-template <int VEC>
-cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int width, const int* starts, const int* ends,
-                   int topk, bool sorted, int* out, int64_t out_stride, cudaStream_t stream) {
-  const int bytes = sizeof(Shared);
-  cudaError_t err = cudaFuncSetAttribute(topk_kernel<VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
-  topk_kernel<VEC><<<static_cast<unsigned>(rows), THREADS, bytes, stream>>>(logits, stride, width, starts, ends, topk,
-                                                                            sorted, out, out_stride);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 int indexer_topk_max_topk() { return MAX_TOPK; }
 
 // Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride) into
 // out [rows, topk] int32 (row stride out_stride) on `stream` of `device`. Returns nullptr or the
-// CUDA error's text. 128-bit loads when logits and stride allow them.
+// CUDA error's text.
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
                                 const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
                                 void* stream) {
@@ -381,10 +375,13 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
   cudaError_t err = cudaGetDevice(&previous);
   if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  const bool aligned = reinterpret_cast<uintptr_t>(logits) % 16 == 0 && stride % 4 == 0;
-  auto run = aligned ? launch<4> : launch<1>;
-  err = run(logits, stride, rows, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out,
-            out_stride, static_cast<cudaStream_t>(stream));
+  const int bytes = sizeof(Shared);
+  err = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) {
+    topk_kernel<<<static_cast<unsigned>(rows), THREADS, bytes, static_cast<cudaStream_t>(stream)>>>(
+        logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
+    err = cudaGetLastError();
+  }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
