@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("flashdsa.check.cli", "compare flashdsa with transformers layer by layer on a checkpoint"),
     "generate": ("flashdsa.generate", "generate text from a prompt through the paged caches"),
     "plan": ("flashdsa.runtime.parallel.plan_command", "per-rank memory plan of a checkpoint (config.json only, no GPU)"),
+    "build-kernels": ("flashdsa.build_kernels", "build the native CUDA kernels ahead of first use (--compile-only: no GPU)"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 USAGE_ERROR = 2

@@ -64,6 +64,18 @@ def poisoned_empty() -> Iterator[None]:
         torch.empty = empty
 
 
+def tricky_logits(rows: int, length: int, device, g: torch.Generator) -> torch.Tensor:
+    """Rows with heavy ties, -inf and NaN holes, tiny and signed zeros, and plain normal scores."""
+    x = torch.randn(rows, length, generator=g)
+    x[0::4] = torch.randint(0, 7, (x[0::4].shape), generator=g).float()  # many exact ties
+    x[1::4, ::3] = float("-inf")
+    x[1::4, 1::11] = float("nan")
+    x[2::4] = -torch.rand(x[2::4].shape, generator=g) * 1e-38  # subnormal negatives and zeros
+    x[2::4, ::5] = 0.0
+    x[2::4, 1::5] = -0.0
+    return x.to(device)
+
+
 def cosine_distance(got: torch.Tensor, ref: torch.Tensor) -> float:
     """FlashMLA's ``1 - 2 <x, y> / (|x|^2 + |y|^2)`` in float64 (0 when both are zero)."""
     x, y = got.double().flatten(), ref.double().flatten()

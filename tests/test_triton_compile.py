@@ -1,10 +1,11 @@
-"""Every Triton kernel compiles for Hopper (sm_90a) on a machine without a GPU.
+"""Every Triton kernel compiles for Hopper (sm_90a) and Blackwell (sm_100a) on a machine without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) runs kernels through NumPy and accepts code that the GPU
 compiler rejects (plain Python globals inside a kernel, for one). Here each Triton backend is
 called on CPU tensors at the shapes the GPU serves, with ``JITFunction.run`` recording the launch
 instead of running it; every distinct (kernel, signature, constexprs, launch options) is then
-compiled through Triton's whole pipeline to a cubin for ``GPUTarget("cuda", 90, 32)``. That needs
+compiled through Triton's whole pipeline to a cubin for ``GPUTarget("cuda", 90, 32)`` and
+``GPUTarget("cuda", 100, 32)``. That needs
 the ptxas shipped with triton, but no driver. Nothing is executed, so outputs are not checked.
 ``compile_all(..., specialize=True)`` compiles with the argument specialization a GPU launch
 would use (16-divisible ints and pointers, ints equal to 1 as constants), which turns on the
@@ -27,8 +28,8 @@ from flashdsa.testing import random_mla_cache, random_sparse_inputs  # noqa: E40
 
 ARG_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
              torch.int64: "i64", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
-HOPPER = GPUTarget("cuda", 90, 32)
-HOPPER_SMEM = 232448  # bytes of shared memory one block may use on SM90
+TARGETS = (GPUTarget("cuda", 90, 32), GPUTarget("cuda", 100, 32))  # Hopper, Blackwell (datacenter)
+MAX_SMEM = 232448  # bytes of shared memory one block may use on SM90 and SM100
 
 
 def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -85,23 +86,24 @@ def launches(monkeypatch) -> dict:
 
 
 def compile_all(launches: dict, specialize: bool = False) -> list[str]:
-    """Compile every recorded launch to a cubin; return the kernel names compiled. With
-    ``specialize``, compile as the GPU would specialize the launch and check shared memory."""
+    """Compile every recorded launch to a cubin for each target; return the kernel names compiled.
+    With ``specialize``, compile as the GPU would specialize the launch and check shared memory."""
     assert launches, "no Triton launch was recorded"
     for fn, signature, constexprs, options, specialized in launches.values():
         attrs = {}
         if specialize:
             signature, constexprs, attrs = specialized
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                target=HOPPER, options=options)
-        assert kernel.asm.get("cubin"), f"{fn.__name__} {constexprs}: no cubin"
-        if specialize:
-            smem = kernel.metadata.shared
-            assert smem <= HOPPER_SMEM, f"{fn.__name__} {constexprs} {options}: {smem} B of shared memory"
+        for target in TARGETS:
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                    target=target, options=options)
+            assert kernel.asm.get("cubin"), f"{fn.__name__} {constexprs} sm_{target.arch}: no cubin"
+            if specialize:
+                smem = kernel.metadata.shared
+                assert smem <= MAX_SMEM, f"{fn.__name__} {constexprs} {options} sm_{target.arch}: {smem} B of shared memory"
     return sorted({fn.__name__ for fn, *_ in launches.values()})
 
 
-def test_attention_kernels_compile_for_hopper(launches):
+def test_attention_kernels_compile_for_hopper_and_blackwell(launches):
     from flashdsa.runtime.kernels.triton import sparse_bwd, sparse_decode, sparse_fwd
 
     for h_q, d_qk in ((128, 576), (16, 512)):
@@ -118,7 +120,7 @@ def test_attention_kernels_compile_for_hopper(launches):
                                      "_decode_partial_kernel", "_reduce_rows_kernel", "_sparse_fwd_kernel"]
 
 
-def test_indexer_and_cache_kernels_compile_for_hopper(launches):
+def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     from flashdsa.runtime.cache.triton import writes
     from flashdsa.runtime.indexer.triton import hadamard, logits, topk
 
@@ -144,7 +146,7 @@ def test_indexer_and_cache_kernels_compile_for_hopper(launches):
                                      "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
 
 
-def test_moe_kernels_compile_for_hopper(launches):
+def test_moe_kernels_compile_for_hopper_and_blackwell(launches):
     """Every launch shape of the MoE heuristic (bf16 and FP8) and both alignment paths, at V3.2 widths
     (the weights are left uninitialised: nothing runs)."""
     from flashdsa.runtime.moe.triton import align, fused_moe
@@ -166,7 +168,7 @@ def test_moe_kernels_compile_for_hopper(launches):
     assert compile_all(launches) == ["_combine_kernel", "_count_kernel", "_grouped_gemm_kernel", "_place_kernel"]
 
 
-def test_gemm_kernels_compile_for_hopper(launches):
+def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):
     """The quantizer, and the GEMM at the heuristic's choice per regime (decode with split-K,
     middle and prefill with TMA loads; K a multiple of 128 or not) plus the deferred-scaling and
     the decode TMA variants."""
@@ -186,7 +188,7 @@ def test_gemm_kernels_compile_for_hopper(launches):
     assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]
 
 
-def test_norm_kernel_compiles_for_hopper(launches):
+def test_norm_kernel_compiles_for_hopper_and_blackwell(launches):
     """RMSNorm with and without the fused residual, at the widths of V3.2's four norms per layer."""
     from flashdsa.runtime.norm.triton import rms_norm
 
@@ -197,7 +199,7 @@ def test_norm_kernel_compiles_for_hopper(launches):
     assert compile_all(launches, specialize=True) == ["_rms_norm_kernel"]
 
 
-def test_rope_kernel_compiles_for_hopper(launches):
+def test_rope_kernel_compiles_for_hopper_and_blackwell(launches):
     """Both rotations at V3.2's shapes: MLA's q_pe [T, 128, 64] (strided views) with k_pe, the
     indexer's q [T, 64, 128] with k, in bf16."""
     from flashdsa.runtime.rope.triton import rope
@@ -210,7 +212,7 @@ def test_rope_kernel_compiles_for_hopper(launches):
     assert compile_all(launches, specialize=True) == ["_rope_kernel"]
 
 
-def test_routing_kernel_compiles_for_hopper(launches):
+def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
     """V3.2's routing (256 experts, 8 groups keep 4, top-8) and ungrouped routing."""
     from flashdsa.runtime.moe.triton import routing
 
@@ -220,7 +222,7 @@ def test_routing_kernel_compiles_for_hopper(launches):
     assert compile_all(launches, specialize=True) == ["_route_kernel"]
 
 
-def test_slots_kernel_compiles_for_hopper(launches):
+def test_slots_kernel_compiles_for_hopper_and_blackwell(launches):
     """The decode shape (top-2048 positions a token, int32) and int64 positions."""
     from flashdsa.runtime.cache.triton import slots
 

@@ -27,7 +27,7 @@ from flashdsa.runtime.indexer import (
     indexer_topk,
     reference,
 )
-from flashdsa.testing import kernel_test_main, random_block_table, run_under_interpreter
+from flashdsa.testing import kernel_test_main, random_block_table, run_under_interpreter, tricky_logits
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 LOGITS_RTOL = 5e-4
@@ -122,18 +122,6 @@ def check_topk(logits, topk, starts=None, ends=None, **knobs):
         last = torch.iinfo(torch.int32).max
         want = torch.where(ref >= 0, ref, last).sort(1).values
         assert torch.equal(loose, torch.where(want == last, -1, want)), f"seed {SEED}: unsorted top-k differs"
-
-
-def tricky_logits(rows, length, device, g):
-    """Rows with heavy ties, -inf and NaN holes, tiny and signed zeros, and plain normal scores."""
-    x = torch.randn(rows, length, generator=g)
-    x[0::4] = torch.randint(0, 7, (x[0::4].shape), generator=g).float()  # many exact ties
-    x[1::4, ::3] = float("-inf")
-    x[1::4, 1::11] = float("nan")
-    x[2::4] = -torch.rand(x[2::4].shape, generator=g) * 1e-38  # subnormal negatives and zeros
-    x[2::4, ::5] = 0.0
-    x[2::4, 1::5] = -0.0
-    return x.to(device)
 
 
 def check_fused(q, weights, k_fp8, k_scale, starts, ends, topk, chunk):

@@ -15,8 +15,10 @@ function's arguments positionally, already validated, with ``starts``/``ends`` a
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_topk
   indexer_fused_topk     reference  flashdsa.runtime.indexer.reference:indexer_fused_topk
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_fused_topk
+  indexer_topk           cuda       flashdsa.runtime.indexer.cuda.topk:indexer_topk (SM90)
 Triton support check (facts ``head_dim``, ``dtype``, ``topk``, ``block_size``): head_dim 128, no
-float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size.
+float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size. CUDA support check: topk <=
+CUDA_MAX_TOPK and a CUDA toolchain to build the kernel with (``flashdsa.runtime.native``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from flashdsa.runtime import dispatch
+from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, INDEXER_TOKEN_BYTES, quantize_indexer_key
 from flashdsa.runtime.checks import can_check_values, check, check_tensor, describe
 from flashdsa.runtime.fp8 import E4M3
@@ -40,6 +42,7 @@ _TRITON_MODULE = {
 
 
 TRITON_MAX_TOPK = 8192  # the triton top-k sorts its selection in registers
+CUDA_MAX_TOPK = 2048  # MAX_TOPK of cuda/topk.cu: the selection is held and sorted in shared memory
 
 
 def _triton_supports(
@@ -56,9 +59,16 @@ def _triton_supports(
     return None
 
 
+def _cuda_topk_supports(topk: int = 1, **_) -> Optional[str]:
+    if topk > CUDA_MAX_TOPK:
+        return f"cuda indexer top-k supports topk <= {CUDA_MAX_TOPK}, got {topk}"
+    return native.unavailable()
+
+
 for _op, _module in _TRITON_MODULE.items():
     dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
     dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
+dispatch.register("indexer_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_topk", _cuda_topk_supports)
 
 
 def _check_ranges(starts: object, ends: object, num_rows: int, length: int, device: torch.device) -> None:

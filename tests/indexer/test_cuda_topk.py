@@ -1,0 +1,147 @@
+"""Native (CUDA C++) indexer top-k against the reference on the same logits: exactly the same
+positions in the same order (score descending, ties to the lower column, -1 padded); unsorted,
+the same set by ascending column. Fresh random inputs each run (the seed is printed on failure),
+outputs poisoned before the kernel writes them. GPU tests (Hopper) are marked ``gpu``;
+``python tests/indexer/test_cuda_topk.py --memcheck`` runs small cases for compute-sanitizer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from flashdsa.runtime import dispatch
+from flashdsa.runtime.indexer import CUDA_MAX_TOPK, indexer_topk
+from flashdsa.testing import poisoned_empty, tricky_logits
+
+SEED = int.from_bytes(os.urandom(4), "little")
+INT32_MAX = torch.iinfo(torch.int32).max
+cuda = torch.device("cuda")
+
+
+def generator(*salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED + sum(s * 7919**i for i, s in enumerate(salt)))
+
+
+def random_ranges(rows: int, length: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random [start, end) per row, with one full row, one empty row and one row of length 1."""
+    a, b = torch.randint(0, length + 1, (2, rows), generator=g, dtype=torch.int32)
+    starts, ends = torch.minimum(a, b), torch.maximum(a, b)
+    starts[0], ends[0] = 0, length
+    if rows > 2:
+        starts[1] = ends[1] = length // 2
+        starts[2], ends[2] = length - 1, length
+    return starts.to(cuda), ends.to(cuda)
+
+
+def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
+    """cuda vs reference, sorted and unsorted, every output element poisoned before the kernel runs."""
+    ref = indexer_topk(logits, topk, starts, ends, backend="reference")
+    with poisoned_empty():
+        got = indexer_topk(logits, topk, starts, ends, backend="cuda")
+        loose = indexer_topk(logits, topk, starts, ends, sorted=False, backend="cuda")
+    assert got.dtype == torch.int32 and got.shape == ref.shape
+    assert torch.equal(got, ref), f"seed {SEED}: {int((got != ref).sum())} positions differ"
+    want = torch.where(ref >= 0, ref, INT32_MAX).sort(1).values
+    assert torch.equal(loose, torch.where(want == INT32_MAX, -1, want)), f"seed {SEED}: unsorted top-k differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, length, topk", [
+    (8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (3, 1, 1), (6, 4099, 2048), (2, 70001, 2048),
+    (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1)])
+def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, topk):
+    g = generator(rows, length, topk)
+    logits = tricky_logits(rows, length, cuda, g)
+    check(logits, topk)
+    check(logits, topk, *random_ranges(rows, length, g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset, width", [(1, 20000), (0, 20003), (3, 20005), (2, 6)])
+def test_rows_off_16_byte_boundaries_match(offset, width):
+    """Contiguous rows whose addresses are not 16-byte aligned: a storage offset, odd row lengths."""
+    g = generator(offset, width)
+    logits = torch.randn(offset + 9 * width, generator=g).to(cuda)[offset:].view(9, width)
+    check(logits, 2048)
+    check(logits, 300, *random_ranges(9, width, g))
+
+
+@pytest.mark.gpu
+def test_crowded_threshold_bins_resolve_every_digit():
+    """Scores in a narrow band (every score in the top bin: the second and third digit passes read
+    the row), all equal (the lowest columns win), and many copies of the threshold score."""
+    g = generator(7)
+    logits = torch.randn(6, 50000, generator=g)
+    logits[0] = 1.0 + torch.randint(0, 50, (50000,), generator=g).float() * 2**-20
+    logits[1] = 3.0
+    logits[2, :] = -1.0
+    logits[2, torch.randperm(50000, generator=g)[:5000]] = 2.0  # 5000 tied at the threshold, 2048 taken
+    logits[3] = torch.randint(0, 3, (50000,), generator=g).float()
+    logits[4] = 1.0 + torch.randint(0, 2**14, (50000,), generator=g).float() * 2**-22  # crowded in digit 2
+    check(logits.to(cuda), 2048)
+    check(logits.to(cuda), 17, *random_ranges(6, 50000, g))
+    assert indexer_topk(logits[1:2].to(cuda), 2048, backend="cuda").tolist() == [list(range(2048))]
+
+
+@pytest.mark.gpu
+def test_rows_with_nothing_finite_or_nothing_in_range_are_all_minus_one():
+    logits = torch.full((4, 700), float("-inf"), device=cuda)
+    logits[1] = float("nan")
+    logits[2] = float("inf")
+    logits[3] = 1.0
+    starts = torch.tensor([0, 0, 0, 350], dtype=torch.int32, device=cuda)
+    ends = torch.tensor([700, 700, 700, 350], dtype=torch.int32, device=cuda)
+    for sorted_ in (True, False):
+        with poisoned_empty():
+            got = indexer_topk(logits, 128, starts, ends, sorted=sorted_, backend="cuda")
+        assert (got == -1).all()
+    assert indexer_topk(torch.randn(0, 9, device=cuda), 5, backend="cuda").shape == (0, 5)
+    assert (indexer_topk(torch.randn(3, 0, device=cuda), 5, backend="cuda") == -1).all()
+
+
+@pytest.mark.gpu
+def test_topk_replays_in_a_cuda_graph():
+    g = generator(11)
+    logits = torch.randn(16, 30000, generator=g).to(cuda)
+    starts, ends = random_ranges(16, 30000, g)
+    indexer_topk(logits, 2048, starts, ends, backend="cuda")  # build and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk(logits, 2048, starts, ends, backend="cuda")
+    logits.copy_(torch.randn(16, 30000, generator=g).to(cuda))
+    graph.replay()
+    assert torch.equal(out, indexer_topk(logits, 2048, starts, ends, backend="reference"))
+
+
+@pytest.mark.gpu
+def test_dispatch_picks_cuda_on_hopper_and_refuses_larger_topk(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cuda backend serves SM90 only")
+    from flashdsa.runtime.indexer.cuda import topk
+
+    assert dispatch.select("indexer_topk", cuda, topk=2048) is topk.indexer_topk
+    with pytest.raises(ValueError, match=f"topk <= {CUDA_MAX_TOPK}, got {CUDA_MAX_TOPK + 1}"):
+        indexer_topk(torch.randn(2, 5000, device=cuda), CUDA_MAX_TOPK + 1, backend="cuda")
+
+
+def run_memcheck_case() -> None:
+    """Small cases that stress the edges for compute-sanitizer: ranges at the row ends, empty rows,
+    rows with nothing finite, topk > length, unaligned views, crowded bins."""
+    g = generator(5)
+    logits = tricky_logits(8, 1501, cuda, g)
+    check(logits, 2048, *random_ranges(8, 1501, g))
+    check(logits.view(-1)[1:1 + 8 * 1500].view(8, 1500), 64)
+    check(torch.full((3, 900), float("nan"), device=cuda), 16)
+    check((1.0 + torch.randint(0, 9, (2, 9000), generator=g).float() * 2**-20).to(cuda), 2048)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--memcheck"]:
+        sys.exit(f"usage: {sys.argv[0]} --memcheck")
+    run_memcheck_case()
