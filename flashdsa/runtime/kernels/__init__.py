@@ -24,7 +24,10 @@ from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache.layout import D_QK, MLA_TOKEN_BYTES
 from flashdsa.runtime.checks import check, check_tensor
 
-__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_decode"]
+from flashdsa.runtime.kernels.v4 import sparse_attention_v4_decode, sparse_attention_v4_prefill
+
+__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_decode", "sparse_attention_v4_prefill",
+           "sparse_attention_v4_decode"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # fp32/fp64: reference only
 TRITON_D_QK = (512, 576)
