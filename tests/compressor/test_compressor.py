@@ -95,7 +95,8 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="needs the state"):
         compress_sequence(kv, gate, bias, True, start_pos=3)
     with pytest.raises(ValueError, match="state_kv must be"):
-        compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1]), bias, True, torch.zeros(2, 4, 6), torch.zeros(2, 4, 6))
+        wrong = torch.zeros(2, 4, 6)  # CSA with ratio 4 needs 8 rows
+        compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1]), bias, True, wrong, wrong.clone())
     with pytest.raises(ValueError, match="positions must be"):
         states = new_state(2, 4, 6, False, "cpu")
         compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1], dtype=torch.int32), bias, False, *states)

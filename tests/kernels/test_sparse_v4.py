@@ -94,7 +94,8 @@ def test_reference_decode_equals_prefill_over_the_dequantized_pools():
     lengths, extra_lengths = torch.tensor([20, 5, 0], dtype=torch.int32), torch.tensor([3, 16, 0], dtype=torch.int32)
     sinks = torch.randn(h_q, generator=g)
     out, lse = sparse_attention_v4_decode(q, pool, slots, SCALE, topk_length=lengths, attn_sink=sinks,
-                                          extra_kv_cache=extra_pool, extra_indices=extra, extra_topk_length=extra_lengths)
+                                          extra_kv_cache=extra_pool, extra_indices=extra,
+                                          extra_topk_length=extra_lengths)
     table, extra_table = gather_v4(pool, torch.arange(48))[:, None], gather_v4(extra_pool, torch.arange(128))[:, None]
     for i in range(b):
         want, want_lse = sparse_attention_v4_prefill(
@@ -139,4 +140,5 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="kv_cache must be"):
         sparse_attention_v4_decode(q[None], torch.zeros(1, 64, 1, 656, dtype=torch.uint8), idx.view(1, 2, 8), SCALE)
     with pytest.raises(ValueError, match="topk_length must be"):
-        sparse_attention_v4_decode(q[None], pool, idx.view(1, 2, 8), SCALE, topk_length=torch.zeros(2, dtype=torch.int32))
+        sparse_attention_v4_decode(q[None], pool, idx.view(1, 2, 8), SCALE,
+                                   topk_length=torch.zeros(2, dtype=torch.int32))

@@ -121,9 +121,10 @@ def _sparse_v4_kernel(
                 extra_end = extra_length
         if split > 0:
             extra_end = 0
-        m, l, acc = _attend_segment(q, m, l, acc, extra_kv_ptr, extra_kv_bf16_ptr, extra_idx_ptr + row * stride_extra_idx,
-                                    0, extra_end, extra_rows, extra_block_size, stride_extra_kv, scale_log2, FP8,
-                                    BLOCK_N, D, TILES, TILE, DATA_BYTES, SCALE_BYTES, INTERPRET)
+        extra_row = extra_idx_ptr + row * stride_extra_idx
+        m, l, acc = _attend_segment(q, m, l, acc, extra_kv_ptr, extra_kv_bf16_ptr, extra_row, 0, extra_end,
+                                    extra_rows, extra_block_size, stride_extra_kv, scale_log2, FP8, BLOCK_N, D, TILES,
+                                    TILE, DATA_BYTES, SCALE_BYTES, INTERPRET)
 
     empty = l == 0.0
     lse = tl.where(empty, float("-inf"), (m + tl.math.log2(tl.where(empty, 1.0, l))) / 1.4426950408889634)
