@@ -125,6 +125,59 @@ def test_decode_split_kv_counts_agree(num_splits):
     check_decode(2, 2, 128, 512, 40, cuda, num_splits=num_splits, duplicates=True)
 
 
+@pytest.fixture(scope="module")
+def flash_mla():
+    """FlashMLA built from the anchor copied to ``.device/flashmla`` (GPU machine), else skip."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.getcwd(), ".device", "flashmla"))
+    try:
+        from build import flash_mla as build
+    except Exception as e:  # no anchor or toolchain here: the comparison cannot run
+        pytest.skip(f"FlashMLA not available: {e}")
+    return build()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s_q, h_q", [(1, 1, 64), (4, 2, 128), (64, 1, 64)])
+def test_decode_matches_flashmla_model1_on_the_same_cache_bytes(flash_mla, b, s_q, h_q):
+    """The same pool bytes, slots, window, lengths and sinks through FlashMLA's MODEL1 decode: a
+    layout mismatch (a byte read from the wrong place) would show as O(1) differences."""
+    g = _generator(b, s_q, h_q, 99)
+    pool, window_pool = random_v4_pool(64, 64, g, cuda), random_v4_pool(max(2, b * 2), 64, g, cuda)
+    q = (torch.randn(b, s_q, h_q, 512, generator=g) * 0.1).bfloat16().to(cuda)
+    slots = random_indices((b, s_q, 512), 64 * 64, invalid=0.1, generator=g).to(cuda)
+    window = random_indices((b, s_q, WINDOW), window_pool.shape[0] * 64, generator=g).to(cuda)
+    lengths = torch.randint(1, 513, (b,), generator=g, dtype=torch.int32).to(cuda)
+    window_lengths = torch.randint(1, WINDOW + 1, (b,), generator=g, dtype=torch.int32).to(cuda)
+    sinks = torch.randn(h_q, generator=g).to(cuda)
+    out, lse = sparse_attention_v4_decode(q, pool, slots, SCALE, topk_length=lengths, attn_sink=sinks,
+                                          extra_kv_cache=window_pool, extra_indices=window,
+                                          extra_topk_length=window_lengths, backend="triton")
+    their_out, their_lse = flash_mla.flash_mla_with_kvcache(
+        q, pool, None, None, 512, flash_mla.get_mla_metadata()[0], softmax_scale=SCALE, is_fp8_kvcache=True,
+        indices=slots, attn_sink=sinks, extra_k_cache=window_pool, extra_indices_in_kvcache=window,
+        topk_length=lengths, extra_topk_length=window_lengths)
+    assert_flashmla_close("out vs FlashMLA", out, their_out)
+    assert_lse_close(lse, their_lse, "lse vs FlashMLA")
+
+
+@pytest.mark.gpu
+def test_prefill_matches_flashmla_sparse_fwd_with_sinks_and_lengths(flash_mla):
+    g = _generator(4096, 99)
+    q = (torch.randn(512, 128, 512, generator=g) * 0.1).bfloat16().to(cuda)
+    kv = (torch.randn(4096, 1, 512, generator=g) * 0.1).bfloat16().to(cuda)
+    idx = random_indices((512, 1, 512), 4096, invalid=0.1, generator=g).to(cuda)
+    lengths = torch.randint(0, 513, (512,), generator=g, dtype=torch.int32).to(cuda)
+    sinks = torch.randn(128, generator=g).to(cuda)
+    out, lse = sparse_attention_v4_prefill(q, kv, idx, SCALE, topk_length=lengths, attn_sink=sinks, backend="triton")
+    their_out, _, their_lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, SCALE, 512, attn_sink=sinks,
+                                                             topk_length=lengths)
+    assert_flashmla_close("out vs FlashMLA", out, their_out)
+    finite = torch.isfinite(lse)  # FlashMLA's lse of a row with nothing valid is its own convention
+    assert_lse_close(lse[finite], their_lse[finite], "lse vs FlashMLA")
+
+
 def check_all_invalid(device) -> None:
     out, lse = check_decode(2, 2, 64, 128, 4, device, num_splits=2, invalid=1.0, window_invalid=1.0, lengths=False)
     assert (out == 0).all() and (lse == float("inf")).all()

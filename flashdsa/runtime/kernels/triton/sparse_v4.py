@@ -21,7 +21,7 @@ import triton.language as tl
 
 from flashdsa.runtime.cache.layout_v4 import V4_DATA_BYTES, V4_NUM_TILES, V4_SCALE_BYTES, V4_TILE
 from flashdsa.runtime.dispatch import interpreting
-from flashdsa.runtime.kernels.triton._gather import LOG2E, head_blocking, mma, to_bf16
+from flashdsa.runtime.kernels.triton._gather import LOG2E, head_blocking, mma, softmax_step
 from flashdsa.runtime.kernels.triton.sparse_decode import DecodeConfig, _combine_kernel, _num_splits
 
 PREFILL_CONFIG = DecodeConfig(num_stages=3)
@@ -70,13 +70,7 @@ def _attend_segment(q, m, l, acc, kv_ptr, kv_bf16_ptr, idx_row, start, end, num_
                        DATA_BYTES, SCALE_BYTES)
         s = mma(q, tl.trans(k), None, INTERPRET)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet
-        alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = mma(to_bf16(p, INTERPRET), k, acc * alpha[:, None], INTERPRET)
-        m = m_new
+        m, l, acc = softmax_step(s, m, l, acc, k, INTERPRET)
     return m, l, acc
 
 
