@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashdsa.runtime.compressor import compress_sequence
+from flashdsa.runtime.indexer import hadamard_transform, indexer_fused_topk, quantize_indexer
 from flashdsa.runtime.indexer.compressed import compressed_indexer_topk, compressed_ranges
 
 modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -71,3 +72,24 @@ def test_no_entries_yet_gives_all_minus_one():
     q, weights = torch.randn(3, HEADS, DIM), torch.rand(3, HEADS)
     got = compressed_indexer_topk(q, weights, torch.randn(0, DIM), torch.arange(3), RATIO, 8)
     assert (got == -1).all() and got.shape == (3, 8)
+
+
+def test_fp8_path_with_compressed_ranges_stays_causal_and_recalls_the_reference_selection():
+    """Production path: FP8 q and keys (Hadamard-rotated, power-of-two scales) through the fused
+    score + top-k with the compressed ranges."""
+    g = torch.Generator().manual_seed(SEED)
+    num_q, heads, entries, topk = 64, 8, 50, 16
+    q, keys = torch.randn(num_q, heads, 128, generator=g), torch.randn(entries, 128, generator=g)
+    weights = torch.rand(num_q, heads, generator=g)
+    positions = torch.randint(0, 4 * entries + 8, (num_q,), generator=g)
+    want = compressed_indexer_topk(q, weights, keys, positions, RATIO, topk)
+    q_fp8, q_scale = quantize_indexer(hadamard_transform(q))
+    k_fp8, k_scale = quantize_indexer(hadamard_transform(keys))
+    starts, ends = compressed_ranges(positions, RATIO, entries)
+    got = indexer_fused_topk(q_fp8, weights * q_scale, k_fp8, k_scale, starts, ends, topk)
+    hits = total = 0
+    for t in range(num_q):
+        picked, expected = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
+        assert len(picked) == len(expected) == min(topk, int(ends[t])) and all(i < ends[t] for i in picked)
+        hits, total = hits + len(picked & expected), total + len(expected)
+    assert hits >= 0.9 * total, f"seed {SEED}: recall {hits / total:.2f}"

@@ -64,7 +64,8 @@ def random_case(s_q, h_q, s_kv, topk, s_extra, extra_topk, g):
 
 
 @pytest.mark.parametrize("s_q, h_q, s_kv, topk, s_extra, extra_topk",
-                         [(1, 4, 30, 16, 20, 8), (7, 3, 50, 40, 128, 128), (5, 2, 3, 8, 6, 12), (4, 2, 0, 4, 9, 9)])
+                         [(1, 4, 30, 16, 20, 8), (7, 3, 50, 40, 128, 128), (5, 2, 3, 8, 6, 12), (4, 2, 0, 4, 9, 9),
+                          (600, 2, 64, 16, 128, 128)])  # topk > s_kv; empty table; many queries
 def test_reference_prefill_matches_transformers_dense_attention_with_sinks(s_q, h_q, s_kv, topk, s_extra, extra_topk):
     g = torch.Generator().manual_seed(SEED + s_q * 100 + topk)
     q, kv, extra_kv, idx, extra_idx, lengths, extra_lengths, sinks = random_case(

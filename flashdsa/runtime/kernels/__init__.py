@@ -10,6 +10,9 @@ occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
 ``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
 backward a multiple of 64).
+
+DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
+MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
 """
 
 from __future__ import annotations
