@@ -120,6 +120,30 @@ def test_attention_kernels_compile_for_hopper_and_blackwell(launches):
                                      "_decode_partial_kernel", "_reduce_rows_kernel", "_sparse_fwd_kernel"]
 
 
+def test_v4_attention_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
+    """V4 prefill (bf16 rows) and decode (MODEL1 pages, one program per row and split-KV with the
+    sink-applying combine), with and without the optional inputs, and the MODEL1 cache write."""
+    from flashdsa.runtime.cache.triton import writes_v4
+    from flashdsa.runtime.kernels.triton import sparse_v4
+
+    pool = torch.zeros(8, 64, 1, 584, dtype=torch.uint8)
+    writes_v4.write_v4_cache(torch.randn(16, 512).bfloat16(), pool, torch.arange(16))
+    for h_q in (64, 128):
+        sink = torch.zeros(h_q)
+        q, kv = torch.randn(300, h_q, 512).bfloat16(), torch.randn(2000, 1, 512).bfloat16()
+        idx = torch.zeros(300, 1, 512, dtype=torch.int32)
+        lengths = torch.full((300,), 512, dtype=torch.int32)
+        sparse_v4.sparse_attention_v4_prefill(q, kv, idx, 512**-0.5)
+        sparse_v4.sparse_attention_v4_prefill(q, kv, idx, 512**-0.5, lengths, sink, kv[:128], idx[:, :, :128], lengths)
+        for batch in (1, 128):
+            q = torch.randn(batch, 2, h_q, 512).bfloat16()
+            slots = torch.zeros(batch, 2, 512, dtype=torch.int32)
+            window, lens = torch.zeros(batch, 2, 128, dtype=torch.int32), torch.full((batch,), 100, dtype=torch.int32)
+            sparse_v4.sparse_attention_v4_decode(q, pool, slots, 512**-0.5)
+            sparse_v4.sparse_attention_v4_decode(q, pool, slots, 512**-0.5, lens, sink, pool, window, lens)
+    assert compile_all(launches, specialize=True) == ["_combine_kernel", "_sparse_v4_kernel", "_write_v4_kernel"]
+
+
 def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     from flashdsa.runtime.cache.triton import writes
     from flashdsa.runtime.indexer.triton import hadamard, logits, topk

@@ -5,6 +5,7 @@ backend dispatch).
 Backends of each op, registered lazily:
   reference  flashdsa.runtime.cache.reference:<op>
   triton     flashdsa.runtime.cache.triton.writes:write_mla_cache / :write_indexer_cache,
+             flashdsa.runtime.cache.triton.writes_v4:write_v4_cache,
              flashdsa.runtime.cache.triton.slots:positions_to_slots
 Backend functions take the same positional arguments (no ``backend``); the writes write in place
 and must skip slots < 0 or >= num_blocks * block_size.
@@ -25,11 +26,13 @@ from flashdsa.runtime.cache.layout import (
     MLA_TOKEN_BYTES,
     ROPE_DIM,
 )
+from flashdsa.runtime.cache.layout_v4 import V4_HEAD_DIM, V4_TOKEN_BYTES
 from flashdsa.runtime.checks import can_check_values, check, check_tensor
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
-for _op, _module in (("write_mla_cache", "writes"), ("write_indexer_cache", "writes"), ("positions_to_slots", "slots")):
+for _op, _module in (("write_mla_cache", "writes"), ("write_indexer_cache", "writes"), ("write_v4_cache", "writes_v4"),
+                     ("positions_to_slots", "slots")):
     dispatch.register(_op, "reference", f"flashdsa.runtime.cache.reference:{_op}")
     dispatch.register(_op, "triton", f"flashdsa.runtime.cache.triton.{_module}:{_op}")
 
@@ -84,6 +87,23 @@ def write_mla_cache(
                  "uint8 [num_blocks, block_size, 1, 656]", c_kv.device)
     _check_slots(slot_mapping, num_tokens, kv_cache)
     dispatch.select("write_mla_cache", kv_cache.device, backend)(c_kv, k_pe, kv_cache, slot_mapping)
+
+
+def write_v4_cache(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                   backend: Optional[str] = None) -> None:
+    """Quantize DeepSeek-V4 K=V rows into the 584 B/token MODEL1 cache, in place.
+
+    kv: [T, 512] bf16/fp16/fp32, ``[latent (448) | RoPE'd part (64)]`` (e4m3 with a power-of-two
+        scale per 64 latents; the RoPE part stored as bf16). Rows may be strided; last dim contiguous.
+    kv_cache: [num_blocks, block_size, 1, 584] uint8 pool (per-block layout in ``cache.layout_v4``).
+    slot_mapping: [T] int64 slots as in :func:`write_mla_cache`: distinct; slots < 0 are skipped.
+    """
+    check_tensor("kv", kv, FLOATS, [None, V4_HEAD_DIM], "bf16/fp16/fp32 [T, 512]", contiguous=False)
+    _check_rows("kv", kv)
+    check_tensor("kv_cache", kv_cache, torch.uint8, [None, None, 1, V4_TOKEN_BYTES],
+                 f"uint8 [num_blocks, block_size, 1, {V4_TOKEN_BYTES}]", kv.device)
+    _check_slots(slot_mapping, kv.shape[0], kv_cache)
+    dispatch.select("write_v4_cache", kv_cache.device, backend)(kv, kv_cache, slot_mapping)
 
 
 def write_indexer_cache(

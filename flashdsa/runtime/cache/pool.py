@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES
+from flashdsa.runtime.cache.layout_v4 import V4_TOKEN_BYTES
 
 
 def _pool(num_blocks: int, block_size: int, token_bytes: int, device: torch.device | str) -> torch.Tensor:
@@ -28,3 +29,9 @@ def mla_pool(num_blocks: int, device: torch.device | str, block_size: int = BLOC
 def indexer_pool(num_blocks: int, device: torch.device | str, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Indexer key cache ``[num_blocks, block_size, 1, 132]`` uint8 (per-block layout in ``layout.py``)."""
     return _pool(num_blocks, block_size, INDEXER_TOKEN_BYTES, device)
+
+
+def v4_pool(num_blocks: int, device: torch.device | str, block_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """DeepSeek-V4 latent cache ``[num_blocks, block_size, 1, 584]`` uint8 (per-block MODEL1 layout
+    in ``layout_v4.py``): the sliding window and the CSA / HCA compressed entries each use one."""
+    return _pool(num_blocks, block_size, V4_TOKEN_BYTES, device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa.runtime.cache.layout import indexer_block_views, quantize_indexer_key, quantize_mla
+from flashdsa.runtime.cache.layout_v4 import quantize_v4, v4_block_views
 from flashdsa.runtime.indexer.reference import hadamard_transform
 
 
@@ -21,6 +22,17 @@ def write_mla_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tens
     valid = _valid_slots(slot_mapping, kv_cache)
     tokens = quantize_mla(c_kv[valid], k_pe[valid])
     kv_cache.view(-1, tokens.shape[-1])[slot_mapping[valid]] = tokens
+
+
+def write_v4_cache(kv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize ``kv: [T, 512]`` to the V4 MODEL1 format and scatter it to ``slot_mapping: [T]``."""
+    valid = _valid_slots(slot_mapping, kv_cache)
+    data, scales = quantize_v4(kv[valid])
+    slots = slot_mapping[valid]
+    block, offset = slots // kv_cache.shape[1], slots % kv_cache.shape[1]
+    data_view, scale_view = v4_block_views(kv_cache)
+    data_view[block, offset] = data
+    scale_view[block, offset] = scales
 
 
 def write_indexer_cache(k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

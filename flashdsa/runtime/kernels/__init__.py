@@ -10,6 +10,9 @@ occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
 ``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
 backward a multiple of 64).
+
+DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
+MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from flashdsa.runtime import dispatch
 from flashdsa.runtime.cache.layout import D_QK, MLA_TOKEN_BYTES
 from flashdsa.runtime.checks import check, check_tensor
 
-__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_decode"]
+from flashdsa.runtime.kernels.v4 import sparse_attention_v4_decode, sparse_attention_v4_prefill
+
+__all__ = ["sparse_mla_fwd", "sparse_mla_bwd", "sparse_mla_decode", "sparse_attention_v4_prefill",
+           "sparse_attention_v4_decode"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # fp32/fp64: reference only
 TRITON_D_QK = (512, 576)

@@ -64,3 +64,16 @@ def to_bf16(x, INTERPRET: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def softmax_step(s, m, l, acc, v, INTERPRET: tl.constexpr):
+    """One online-softmax step over a tile: scores ``s: [H, N]`` (base-2 units, -inf where
+    masked), values ``v: [N, D]`` bf16 -> updated (running max m [H], sum l [H], acc [H, D] fp32)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet
+    alpha = tl.math.exp2(m - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = mma(to_bf16(p, INTERPRET), v, acc * alpha[:, None], INTERPRET)
+    return m_new, l, acc

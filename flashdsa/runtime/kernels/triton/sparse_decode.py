@@ -220,10 +220,11 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, h_q, num_splits, s_q,
-    SPLITS: tl.constexpr, D_V: tl.constexpr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sink_ptr, h_q, num_splits, s_q,
+    SPLITS: tl.constexpr, D_V: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
-    """Merge the splits of one (row, head): out = sum_s w_s o_s, w_s = exp(lse_s - lse)."""
+    """Merge the splits of one (row, head): out = sum_s w_s o_s, w_s = exp(lse_s - lse); with
+    HAS_SINK (DeepSeek-V4) out is then scaled by exp(lse) / (exp(lse) + exp(sink[head]))."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -238,8 +239,10 @@ def _combine_kernel(
                   mask=(sp < num_splits)[:, None], other=0.0)
     o_s = tl.where((w > 0.0)[:, None], o_s, 0.0)  # an empty split may hold 0 * inf
     inv = tl.where(total == 0.0, 0.0, 1.0 / total)
-    out = tl.sum(o_s * w[:, None], 0) * inv
     lse = tl.where(total == 0.0, float("inf"), m_safe + tl.log(total))
+    if HAS_SINK:
+        inv = inv / (1.0 + tl.exp(tl.where(total == 0.0, 0.0, tl.load(sink_ptr + head) - lse)))
+    out = tl.sum(o_s * w[:, None], 0) * inv
     tl.store(out_ptr + (row.to(tl.int64) * h_q + head) * D_V + dv, out.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + (row // s_q) * h_q * s_q + head * s_q + row % s_q, lse)
 
@@ -314,7 +317,7 @@ def sparse_mla_decode(
         )
     if not direct:
         _combine_kernel[(rows, h_q)](
-            part_out, part_lse, out, lse, h_q, splits, s_q,
-            SPLITS=triton.next_power_of_2(splits), D_V=d_v, num_warps=4,
+            part_out, part_lse, out, lse, lse, h_q, splits, s_q,
+            SPLITS=triton.next_power_of_2(splits), D_V=d_v, HAS_SINK=False, num_warps=4,
         )
     return out, lse

@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 from flashdsa.runtime.dispatch import interpreting
-from flashdsa.runtime.kernels.triton._gather import LOG2E, NOPE, gather_kv, head_blocking, load_heads, mma, to_bf16
+from flashdsa.runtime.kernels.triton._gather import (
+    LOG2E, NOPE, gather_kv, head_blocking, load_heads, mma, softmax_step, to_bf16,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)  # natural log of 2, readable inside the kernel
 
@@ -44,13 +46,7 @@ def _sparse_fwd_kernel(
         if D_PE > 0:
             s = mma(q_pe, tl.trans(k_pe), s, INTERPRET)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing valid yet
-        alpha = tl.math.exp2(m - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = mma(to_bf16(p, INTERPRET), k_nope, acc * alpha[:, None], INTERPRET)
-        m = m_new
+        m, l, acc = softmax_step(s, m, l, acc, k_nope, INTERPRET)
 
     has_any = l > 0.0
     out = acc / tl.where(has_any, l, 1.0)[:, None]
