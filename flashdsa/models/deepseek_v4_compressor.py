@@ -127,9 +127,10 @@ class Indexer(Compressor):
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """``scores: [S, N]``, ``visible: [S]`` -> ``[S, min(topk, N)]`` int64 indices of the best visible
-    entries, -1 for the slots left over when a query sees fewer than that many."""
+    entries, -1 for the slots left over when a query sees fewer than that many. Equal scores (the
+    relu makes exact zeros common) go to the lower index, so a decode step picks what a full pass does."""
     k = min(topk, scores.shape[1])
     entry = torch.arange(scores.shape[1], device=scores.device)
     scores = scores.masked_fill(entry[None, :] >= visible[:, None], float("-inf"))
-    picked = scores.topk(k, dim=-1).indices
+    picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     return torch.where(picked >= visible[:, None], -1, picked)
