@@ -66,10 +66,7 @@ def _prefix(kind: str, index: str) -> str:
 
 
 def model_name(name: str) -> tuple[str, int | None, int | None] | None:
-    """Official checkpoint name -> ``(model name, expert or None, gate_up half or None)``; None if unknown.
-    Names of the transformers layout (``model.*``, ``lm_head.*``) map to themselves."""
-    if name.startswith(("model.", "lm_head.")) or (name.startswith("mtp.") and ".self_attn." in name):
-        return name, None, None
+    """Official checkpoint name -> ``(model name, expert or None, gate_up half or None)``; None if unknown."""
     if name in _TOP:
         return _TOP[name], None, None
     expert = _EXPERT.match(name)
@@ -152,18 +149,14 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
             for name in sorted(f.keys()):
                 if name in scales:
                     continue
-                target = model_name(name)
-                if target is None or (target[0].startswith("mtp.") and not mtp):
-                    skipped += target is not None
-                    if target is None:
-                        unexpected.append(name)
+                if name.startswith("mtp.") and not mtp:
+                    skipped += 1
+                    continue
+                target = (name, None, None) if name in dests else model_name(name)  # transformers layout: as is
+                if target is None or target[0] not in dests:
+                    unexpected.append(name)
                     continue
                 own, expert, half = target
-                if own not in dests:
-                    skipped += own.startswith("mtp.")
-                    if not own.startswith("mtp."):
-                        unexpected.append(name)
-                    continue
                 dest = dests[own].data
                 if expert is not None:
                     dest = dest[expert]
