@@ -131,6 +131,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         """``input_ids: [S]`` the sequence's next tokens (all of it when ``cache`` is None)."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor [S], got shape {list(input_ids.shape)}")
+        if not 0 <= int(input_ids.min()) <= int(input_ids.max()) < self.config.vocab_size:  # reference mode may sync
+            raise ValueError(f"input_ids must be token ids in [0, {self.config.vocab_size}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         cache = cache if cache is not None else self.new_cache()
         positions = self._positions(cache.length, input_ids.shape[0])
         x = self.model.embed_tokens(input_ids)

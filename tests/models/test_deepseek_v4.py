@@ -113,3 +113,9 @@ def test_sparse_sink_attention_against_a_dense_softmax():
         logits = torch.cat([0.5 * q[s] @ kv[rows].T, sinks[:, None]], dim=1)
         expected = logits.softmax(-1)[:, :-1] @ kv[rows]
         torch.testing.assert_close(out[s], expected)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([]), torch.zeros(2, 3), torch.tensor([0, 512]), torch.tensor([-1])])
+def test_bad_input_ids_raise_naming_them(v4, ids):
+    with pytest.raises(ValueError, match="input_ids"):
+        v4(ids.long())
