@@ -1,0 +1,143 @@
+"""DeepSeek-V4 attention: one shared K=V head over a sliding window plus compressed entries.
+
+Per token: ``q = rms(q_b(q_a_norm(q_a(x))))`` per head and ``kv = kv_norm(kv_proj(x))`` (one 512-wide
+head used as key and value), the trailing ``qk_rope_head_dim`` dims of both RoPE'd. A query at
+position p attends to the raw kv of positions ``(p - sliding_window, p]`` and, by layer type, to
+nothing more (sliding), to every visible HCA entry, or to the CSA entries its lightning indexer
+picks. Each head has a learned sink logit that joins the softmax's denominator only. The output's
+RoPE dims are rotated back by the query's angle, then the heads go through the grouped output
+projection (``o_groups`` groups, each projected to ``o_lora_rank``, then ``o_b_proj``).
+
+The core is :func:`sparse_sink_attention`: queries, one pool of K=V rows and per-query indices into
+it. Sliding-window rows and compressed entries are rows of the same pool, which is how the paged
+V4 kernels (FlashMLA's MODEL1 sparse decode, one index list over the window and compressed caches)
+see it, so the core can later route to them without changing the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, rope_tail, visible_entries
+from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
+from flashdsa.models.hyper_connections import RMSNorm, rms_normalize
+from flashdsa.models.rope import Rotary
+from flashdsa.runtime.rope import cos_sin
+
+QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
+
+
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor,
+                          sm_scale: float) -> torch.Tensor:
+    """Sparse multi-query attention with per-head sinks, K = V.
+
+    q: [S, H, D]; kv: [N, D] the K=V rows (window rows and compressed entries of one sequence);
+    indices: [S, K] int64 rows of ``kv`` each query attends to, -1 (or any value outside [0, N))
+    invalid and ignored, duplicates counted twice; sinks: [H] fp32; sm_scale: float.
+    Returns out [S, H, D] in q's dtype: ``sum_k p_k kv[idx_k]`` with
+    ``p_k = exp(s_k) / (exp(sink_h) + sum_j exp(s_j))``, ``s_k = sm_scale * q . kv[idx_k]``, fp32 math.
+    A query with no valid index gets 0 (the sink takes all the weight).
+    """
+    out = torch.empty_like(q)
+    valid = (indices >= 0) & (indices < kv.shape[0])
+    safe = torch.where(valid, indices, 0)
+    for start in range(0, q.shape[0], QUERY_CHUNK):
+        rows = slice(start, start + QUERY_CHUNK)
+        keys = kv[safe[rows]].float()  # [s, K, D]
+        scores = torch.einsum("shd,skd->shk", q[rows].float(), keys) * sm_scale
+        scores = scores.masked_fill(~valid[rows, None, :], float("-inf"))
+        sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        out[rows] = torch.einsum("shk,skd->shd", probs, keys).to(q.dtype)
+    return out
+
+
+class RopeTable:
+    """The RoPE angles of one rope type: ``table(positions [S]) -> (cos, sin)`` each ``[S, R/2]`` fp32."""
+
+    def __init__(self, rotary: Rotary):
+        self.inv_freq, self.attention_factor = rotary.inv_freq, rotary.attention_factor
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos_sin(positions, self.inv_freq.to(positions.device), self.attention_factor)
+
+
+@dataclass
+class AttentionState:
+    """One layer's cache for one sequence: the last ``sliding_window - 1`` raw K=V rows and the
+    compressor (and indexer) states of a CSA/HCA layer."""
+
+    window: torch.Tensor | None = None
+    compressor: CompressorState = field(default_factory=CompressorState)
+    indexer: CompressorState = field(default_factory=CompressorState)
+
+
+class GroupedLinear(nn.Module):
+    """``weight: [groups * out, in]``: group g's ``in`` features go through rows ``[g*out, (g+1)*out)``."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: [S, groups, in]`` -> ``[S, groups * out]``."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])
+        return torch.einsum("sgi,goi->sgo", x, w.to(x.dtype)).flatten(1)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_type: str):
+        super().__init__()
+        c = config
+        self.layer_type, self.heads, self.head_dim, self.window = layer_type, c.num_attention_heads, c.head_dim, c.sliding_window
+        self.eps, self.o_groups = c.rms_norm_eps, c.o_groups
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(c.num_attention_heads, dtype=torch.float32))
+        self.ratio = {CSA: c.csa_ratio, HCA: c.hca_ratio}.get(layer_type, 0)
+        if self.ratio:
+            self.compressor = Compressor(c.hidden_size, c.head_dim, self.ratio, layer_type == CSA, c.rms_norm_eps)
+        if layer_type == CSA:  # transformers' name for it: self_attn.compressor.indexer
+            self.compressor.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                                              c.index_topk, c.csa_ratio, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState, rope: RopeTable,
+                compress_rope: RopeTable) -> torch.Tensor:
+        """``x: [S, hidden]`` the sequence's next tokens at ``positions: [S]`` (consecutive, after the
+        ones ``state`` holds) -> ``[S, hidden]``; ``state`` is updated. ``rope`` is this layer's
+        RoPE (sliding: main, CSA/HCA: compress), ``compress_rope`` the compressors'."""
+        tokens = x.shape[0]
+        cos, sin = rope(positions)
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = rms_normalize(self.q_b_proj(q_residual).view(tokens, self.heads, self.head_dim), self.eps)
+        q = rope_tail(q, cos, sin)
+        kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [S, D]
+        rows = kv if state.window is None else torch.cat([state.window, kv])
+        first = positions[0] - (rows.shape[0] - tokens)  # position of rows[0]
+        state.window = rows[rows.shape[0] - min(rows.shape[0], self.window - 1):]
+        offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
+        window_pos = positions[:, None] + offsets  # [S, window]
+        indices = torch.where(window_pos >= 0, window_pos - first, -1)
+        pool = rows
+        if self.ratio:
+            entries = self.compressor(x, state.compressor, compress_rope)  # [N, D]
+            if self.layer_type == CSA:
+                picked = self.compressor.indexer.select(x, q_residual, positions, state.indexer, compress_rope)
+            else:
+                entry = torch.arange(entries.shape[0], device=x.device)
+                picked = torch.where(entry[None, :] < visible_entries(positions, self.ratio)[:, None], entry, -1)
+            indices = torch.cat([indices, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
+            pool = torch.cat([rows, entries])
+        out = sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5)
+        out = rope_tail(out, cos, -sin)
+        out = self.o_a_proj(out.view(tokens, self.o_groups, -1))
+        return self.o_b_proj(out)

@@ -1,0 +1,194 @@
+"""Load a DeepSeek-V4 checkpoint into :class:`DeepseekV4ForCausalLM` (reference mode).
+
+Two layouts are read (told apart by their names):
+
+- **official** (deepseek-ai/DeepSeek-V4-*): ``embed.weight``, ``layers.{i}.attn.wq_a.weight``,
+  ``layers.{i}.attn.compressor.wkv.weight``, ``layers.{i}.attn.indexer.wq_b.weight``,
+  ``layers.{i}.ffn.experts.{e}.w1.weight``, ``layers.{i}.hc_attn_fn``, ``mtp.{k}.e_proj.weight``, ...
+  (:data:`OFFICIAL_NAMES` maps each to the model's name); per-expert ``w1/w3`` are stacked into
+  ``gate_up_proj``, ``w2`` into ``down_proj``.
+- **transformers** (``model.layers.{i}.self_attn.q_a_proj.weight``, stacked experts): the model's
+  own names.
+
+Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.scale``, ue8m0 or
+fp32, officially; ``<name>_scale_inv`` in transformers' layout), dequantized one tensor at a time
+into the model's storage. FP4 experts (``expert_dtype: fp4``: e2m1 pairs packed in int8 with ue8m0
+scales per 32 inputs, as DeepSeek ships V4) are refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
+from flashdsa.models.deepseek_v4_config import DeepseekV4Config
+from flashdsa.models.loader import checkpoint_files, dequantize_blocks
+from flashdsa.runtime.gemm import GROUP
+
+logger = logging.getLogger(__name__)
+
+_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
+               "norm.weight": "kv_norm.weight"}
+_BLOCK = {  # official name inside a layer -> the model's
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"hc_{site}_{p}": f"{site}_hc.{p}" for site in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight", "attn.attn_sink": "self_attn.sinks",
+    **{f"attn.compressor.{k}": f"self_attn.compressor.{v}" for k, v in _COMPRESSOR.items()},
+    **{f"attn.indexer.compressor.{k}": f"self_attn.compressor.indexer.{v}" for k, v in _COMPRESSOR.items()},
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+    **{f"ffn.shared_experts.{w}.weight": f"mlp.shared_experts.{p}.weight"
+       for w, p in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))},
+}
+_HEAD = {"hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_MTP = {**{n: n for n in ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight")}, **_HEAD}
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+        **{k: "model." + v for k, v in _HEAD.items()}}
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_PREFIXED = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
+# (stacked tensor, which half of gate_up_proj or None) per official expert matrix
+_EXPERT_PART = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
+
+
+def _prefix(kind: str, index: str) -> str:
+    return f"model.layers.{index}." if kind == "layers" else f"mtp.{index}."
+
+
+def model_name(name: str) -> tuple[str, int | None, int | None] | None:
+    """Official checkpoint name -> ``(model name, expert or None, gate_up half or None)``; None if unknown."""
+    if name in _TOP:
+        return _TOP[name], None, None
+    expert = _EXPERT.match(name)
+    if expert:
+        kind, index, e, w = expert.groups()
+        stacked, half = _EXPERT_PART[w]
+        return f"{_prefix(kind, index)}mlp.experts.{stacked}", int(e), half
+    prefixed = _PREFIXED.match(name)
+    if prefixed:
+        kind, index, rest = prefixed.groups()
+        own = _BLOCK.get(rest) or (_MTP.get(rest) if kind == "mtp" else None)
+        if own:
+            return _prefix(kind, index) + own, None, None
+    return None
+
+
+def official_names(config: DeepseekV4Config, model_names: list[str]) -> dict[str, str]:
+    """The model's tensor names -> official names (inverse of :func:`model_name`; experts excluded)."""
+    inverse = {v: k for k, v in _TOP.items()}
+    for name in model_names:
+        m = re.match(r"^(model\.layers|mtp)\.(\d+)\.(.+)$", name)
+        if m:
+            kind = "layers" if m.group(1) == "model.layers" else "mtp"
+            table = {**_BLOCK, **(_MTP if kind == "mtp" else {})}
+            rest = {v: k for k, v in table.items()}.get(m.group(3))
+            if rest:
+                inverse[name] = f"{kind}.{m.group(2)}.{rest}"
+    return inverse
+
+
+def _scale_name(name: str, where: dict[str, Path]) -> str | None:
+    for candidate in (name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None,
+                      name + "_scale_inv"):
+        if candidate in where:
+            return candidate
+    return None
+
+
+def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
+    """Tensor ``name`` of the open file ``f`` as float: e4m3 weights dequantized with their block scales."""
+    kind = f.get_slice(name).get_dtype()
+    if kind in ("I8", "U8", "F4", "F8_E8M0") and ".experts." in name:
+        raise ValueError(f"{name}: FP4 experts (e2m1 packed in {kind}, expert_dtype fp4) are not supported yet; "
+                         "convert the experts to bf16 or FP8 e4m3 with 128x128 block scales")
+    t = f.get_tensor(name)
+    if kind != "F8_E4M3":
+        return t
+    scale = _scale_name(name, where)
+    if scale is None:
+        raise ValueError(f"FP8 tensor {name} has no block scales ({name.removesuffix('.weight')}.scale or "
+                         f"{name}_scale_inv)")
+    with safe_open(where[scale], framework="pt") as g:
+        return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
+
+
+def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                  mtp: bool = False) -> DeepseekV4ForCausalLM:
+    """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout);
+    ``mtp`` also loads its multi-token-prediction layers. Raises ValueError naming every missing,
+    unexpected or mis-shaped tensor, and for FP4 experts."""
+    path = Path(path)
+    config = DeepseekV4Config.from_json(path)
+    if config.expert_dtype == "fp4":
+        raise ValueError(f"{path}: expert_dtype 'fp4' (DeepSeek's FP4 experts) is not supported yet")
+    if mtp and config.num_nextn_predict_layers < 1:
+        raise ValueError(f"checkpoint {path} has no multi-token-prediction layer (num_nextn_predict_layers 0)")
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0)
+    model.to_empty(device=device)
+    dests = model.state_dict(keep_vars=True)
+    files = checkpoint_files(path)
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update((name, file) for name in f.keys())
+    scales = {s for n in where if (s := _scale_name(n, where))}
+    loaded, unexpected, misshaped, skipped = set(), [], [], 0
+    for file in tqdm(files, desc="loading shards", unit="file", leave=False):
+        with safe_open(file, framework="pt") as f:
+            for name in sorted(f.keys()):
+                if name in scales:
+                    continue
+                if name.startswith("mtp.") and not mtp:
+                    skipped += 1
+                    continue
+                target = (name, None, None) if name in dests else model_name(name)  # transformers layout: as is
+                if target is None or target[0] not in dests:
+                    unexpected.append(name)
+                    continue
+                own, expert, half = target
+                dest = dests[own].data
+                if expert is not None:
+                    dest = dest[expert]
+                    if half is not None:
+                        rows = dest.shape[0] // 2
+                        dest = dest[half * rows:(half + 1) * rows]
+                t = _read(f, name, where)
+                if t.shape != dest.shape:
+                    misshaped.append(f"{name}: expected {list(dest.shape)}, got {list(t.shape)}")
+                    continue
+                dest.copy_(t.to(device))
+                loaded |= _expected(own, dest) if expert is None else {f"{own}[{expert}]{'' if half is None else half}"}
+    missing = [n for n in dests if not _expected(n, dests[n]) <= loaded]
+    _check(path, missing, unexpected, misshaped)
+    if skipped:
+        logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not loaded)", skipped)
+    return model.eval()
+
+
+def _expected(name: str, t: torch.Tensor) -> set[str]:
+    """What must be loaded to fill model tensor ``name``: itself, or each expert (and half) of a stack."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return {f"{name}[{e}]{h}" for e in range(t.shape[0]) for h in (0, 1)}
+    if name.endswith("mlp.experts.down_proj"):
+        return {f"{name}[{e}]" for e in range(t.shape[0])}
+    return {name}
+
+
+def _check(path: Path, missing: list[str], unexpected: list[str], misshaped: list[str]) -> None:
+    problems = [
+        f"{label} ({len(names)}): {', '.join(sorted(names)[:8])}{' ...' if len(names) > 8 else ''}"
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names
+    ]
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match the DeepSeek-V4 model: " + "; ".join(problems))

@@ -1,0 +1,116 @@
+"""DeepSeek-V4 config parsing, checkpoint layouts and formats, tiny checkpoints."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashdsa.models.deepseek_v4_config import DeepseekV4Config, model_type
+from flashdsa.models.deepseek_v4_loader import load_v4_model
+from flashdsa.models.deepseek_v4_tiny import TINY, make_tiny_v4_checkpoint
+from flashdsa.models.rope import Rotary
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4bf16"), seed=7)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("compress_ratios", [0, 4, 64, 4]), ("compress_ratios", [0, 4]), ("num_hash_layers", 5),
+    ("num_key_value_heads", 2), ("o_groups", 3), ("qk_rope_head_dim", 15), ("scoring_func", "relu"),
+    ("num_experts_per_tok", 9), ("hidden_size", 0), ("index_topk", -1), ("swiglu_limit", 0.0),
+    ("layer_types", ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+    ("mlp_layer_types", ["moe", "hash_moe", "moe", "moe"]), ("model_type", "deepseek_v32"),
+])
+def test_inconsistent_config_fields_raise_naming_the_field(field, value):
+    raw = {**TINY, "vocab_size": 512, field: value}
+    if field == "layer_types":
+        raw.pop("compress_ratios")
+    with pytest.raises(ValueError, match=field.removeprefix("num_")):
+        DeepseekV4Config.from_dict(raw)
+
+
+def test_transformers_spelling_reads_as_the_official_one():
+    official = DeepseekV4Config.from_dict({**TINY, "vocab_size": 512})
+    hf = DeepseekV4Config.from_dict({
+        **{k: v for k, v in TINY.items() if k not in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim",
+                                                        "rope_scaling", "rope_theta", "compress_rope_theta")},
+        "vocab_size": 512, "partial_rotary_factor": 0.25,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                        "compressed_sparse_attention"],
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+        "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0},
+                            "compress": {**TINY["rope_scaling"], "rope_type": "yarn", "rope_theta": 160000.0}},
+    })
+    for name in ("compress_ratios", "hash_layers", "qk_rope_head_dim", "rope_theta", "compress_rope_theta"):
+        assert getattr(hf, name) == getattr(official, name), name
+    for compressed in (False, True):
+        a, b = Rotary(hf.rope(compressed)), Rotary(official.rope(compressed))
+        assert torch.equal(a.inv_freq, b.inv_freq) and a.attention_factor == b.attention_factor == 1.0
+    assert hf.rope(False).rope_scaling is None and not torch.equal(Rotary(hf.rope(True)).inv_freq,
+                                                                     Rotary(hf.rope(False)).inv_freq)
+
+
+def test_model_type_tells_v4_from_v32(bf16_checkpoint, shrunk):
+    assert model_type(bf16_checkpoint) == "deepseek_v4"
+    assert model_type(shrunk) == "deepseek_v32"
+
+
+def test_fp8_ue8m0_checkpoint_loads_close_to_its_bf16_twin(bf16_checkpoint, tmp_path, random_ids):
+    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=7, fp8=True)
+    stored = load_file(fp8 / "model.safetensors")
+    assert stored["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert stored["layers.1.attn.compressor.wkv.weight"].dtype == torch.bfloat16
+    ids = random_ids(64)
+    a, b = load_v4_model(bf16_checkpoint)(ids).logits, load_v4_model(fp8)(ids).logits
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_transformers_layout_loads_the_same_model(bf16_checkpoint, tmp_path, random_ids):
+    official = load_v4_model(bf16_checkpoint, mtp=True)
+    (tmp_path / "config.json").write_text((bf16_checkpoint / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in official.state_dict().items()}, tmp_path / "model.safetensors")
+    ids = random_ids(40)
+    torch.testing.assert_close(load_v4_model(tmp_path)(ids).logits, official(ids).logits)
+
+
+def _rewrite(checkpoint, tmp_path, edit):
+    weights = load_file(checkpoint / "model.safetensors")
+    edit(weights)
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    return tmp_path
+
+
+def test_fp4_experts_are_refused_naming_the_tensor(bf16_checkpoint, tmp_path):
+    def to_fp4(w):
+        w["layers.0.ffn.experts.0.w1.weight"] = torch.zeros(32, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight: FP4"):
+        load_v4_model(_rewrite(bf16_checkpoint, tmp_path, to_fp4))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp4"}))
+    with pytest.raises(ValueError, match="expert_dtype 'fp4'"):
+        load_v4_model(tmp_path)
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_named(bf16_checkpoint, tmp_path):
+    def damage(w):
+        del w["layers.2.attn.compressor.ape"]
+        w["layers.0.attn.wq_a.weight"] = w["layers.0.attn.wq_a.weight"][:5]
+        w["layers.0.attn.bogus"] = torch.zeros(1)
+    with pytest.raises(ValueError) as error:
+        load_v4_model(_rewrite(bf16_checkpoint, tmp_path, damage))
+    for part in ("model.layers.2.self_attn.compressor.position_bias", "layers.0.attn.bogus",
+                 "layers.0.attn.wq_a.weight: expected [32, 64], got [5, 64]"):
+        assert part in str(error.value)
+
+
+def test_make_tiny_cli_writes_a_v4_checkpoint(tmp_path):
+    from flashdsa.cli import main
+
+    assert main(["make-tiny", str(tmp_path / "v4"), "--arch", "deepseek_v4"]) == 0
+    assert model_type(tmp_path / "v4") == "deepseek_v4"
+    assert load_v4_model(tmp_path / "v4", mtp=True).mtp
