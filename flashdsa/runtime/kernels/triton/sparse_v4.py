@@ -21,11 +21,12 @@ import triton.language as tl
 
 from flashdsa.runtime.cache.layout_v4 import V4_DATA_BYTES, V4_NUM_TILES, V4_SCALE_BYTES, V4_TILE
 from flashdsa.runtime.dispatch import interpreting
-from flashdsa.runtime.kernels.triton._gather import LOG2E, head_blocking, mma, softmax_step
+from flashdsa.runtime.kernels.triton._gather import LOG2E, mma, softmax_step
 from flashdsa.runtime.kernels.triton.sparse_decode import DecodeConfig, _combine_kernel, _num_splits
 
-PREFILL_CONFIG = DecodeConfig(num_stages=3)
-DECODE_CONFIG = DecodeConfig(num_stages=3)
+PREFILL_CONFIG = DecodeConfig(block_n=32, num_stages=3)
+DECODE_CONFIG = DecodeConfig(block_n=32, num_stages=3)
+V4_BLOCK_H = 64
 
 
 @triton.jit
@@ -144,7 +145,9 @@ def _launch(q_rows, s_q, kv, extra_kv, indices, extra_indices, topk_length, extr
     ``kv`` / ``extra_kv``: 2-D bf16 row tables (prefill) or 4-D MODEL1 pools (decode)."""
     rows, h_q, d = q_rows.shape
     topk = indices.shape[-1]
-    block_h, head_blocks = head_blocking(h_q)
+    # 64 heads per program whatever h_q: with 32 (or 16) the kernel's layouts need 262 KB of shared
+    # memory, past the 227 KB of SM90/SM100; fewer heads run as padding rows of one block.
+    block_h, head_blocks = V4_BLOCK_H, triton.cdiv(h_q, V4_BLOCK_H)
     per_split = triton.cdiv(triton.cdiv(topk, splits), config.block_n) * config.block_n
     splits = triton.cdiv(topk, per_split)
     direct = splits == 1
@@ -172,7 +175,7 @@ def _launch(q_rows, s_q, kv, extra_kv, indices, extra_indices, topk_length, extr
         FP8=fp8, HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_EXTRA_LEN=extra_topk_length is not None,
         HAS_SINK=attn_sink is not None, DIRECT=direct, BLOCK_H=block_h, BLOCK_N=config.block_n, D=d,
         TILES=V4_NUM_TILES, TILE=V4_TILE, DATA_BYTES=V4_DATA_BYTES, SCALE_BYTES=V4_SCALE_BYTES,
-        INTERPRET=interpreting(), num_warps=config.num_warps if block_h == 64 else 4, num_stages=config.num_stages,
+        INTERPRET=interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
         _combine_kernel[(rows, h_q)](
@@ -211,7 +214,7 @@ def sparse_attention_v4_decode(q, kv_cache, indices, sm_scale, topk_length=None,
         return out, lse
     rows = b * s_q
     topk = indices.shape[-1]
-    splits = num_splits or _num_splits(rows, head_blocking(h_q)[1], topk, config)
+    splits = num_splits or _num_splits(rows, triton.cdiv(h_q, V4_BLOCK_H), topk, config)
     extra_idx = extra_indices.reshape(rows, -1) if extra_indices is not None else None
     _launch(q.reshape(rows, h_q, d), s_q, kv_cache, extra_kv_cache, indices.reshape(rows, topk), extra_idx,
             topk_length, extra_topk_length, attn_sink, sm_scale, out, lse, fp8=True, splits=splits, config=config)
