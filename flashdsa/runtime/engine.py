@@ -221,10 +221,7 @@ class LLMEngine:
             except Exception:
                 logger.exception("verifying %d drafts failed; sampling without them", len(chunks))
             else:
-                self.num_draft_tokens += step.num_drafts
-                for j in step.accepted:
-                    seqs[j].num_computed_tokens += 1  # the accepted draft is in the cache already
-                self.num_accepted_tokens += len(step.accepted)
+                self._count_drafts(step.num_drafts, [seqs[j] for j in step.accepted])
                 return list(zip(step.tokens, step.logprobs))
         return [r if isinstance(r, Exception) else ([r[0]], [r[1]]) for r in sample_each(logits[rows], seqs, bitmask)]
 
@@ -240,13 +237,21 @@ class LLMEngine:
         except Exception:
             logger.exception("verifying %d drafts on the device failed; using the general path", len(chunks))
             return None
+        self._count_drafts(len(chunks), [c.seq for c, new in zip(chunks, tokens) if len(new) == 2])
         for chunk, new, draft in zip(chunks, tokens, drafts):
-            seq = chunk.seq
-            seq.num_computed_tokens += len(new) - 1  # an accepted draft is in the cache already
-            seq.draft_token = draft if len(seq) + len(new) < self.max_model_len else None
-        self.num_draft_tokens += len(chunks)
-        self.num_accepted_tokens += sum(len(new) - 1 for new in tokens)
+            self._set_draft(chunk.seq, len(chunk.seq) + len(new), draft)
         return [(new, [None] * len(new)) for new in tokens]
+
+    def _count_drafts(self, num_drafts: int, accepted: list[Sequence]) -> None:
+        """Count a step's verified drafts; an accepted draft is in the cache already."""
+        for seq in accepted:
+            seq.num_computed_tokens += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += len(accepted)
+
+    def _set_draft(self, seq: Sequence, length: int, draft: Optional[int]) -> None:
+        """seq's next draft, once it holds ``length`` tokens: none where its position would pass max_model_len."""
+        seq.draft_token = draft if length < self.max_model_len else None
 
     def _draft(self, chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]) -> None:
         """Run the MTP layer over the step and set the next draft of every sequence that sampled
@@ -260,7 +265,7 @@ class LLMEngine:
             logger.exception("the MTP layer failed; this step drafts nothing")
             drafts = [None] * len(owners)
         for (seq, length), draft in zip(owners, drafts):
-            seq.draft_token = draft if length < self.max_model_len else None
+            self._set_draft(seq, length, draft)
 
     def _add_prompt_logprobs(self, chunk: ScheduledChunk, step_logits: StepLogits, i: int) -> None:
         seq = chunk.seq

@@ -113,6 +113,10 @@ class ModelRunner:
             self.last = (None if graph else meta, hidden, input_ids)
         return logits.float()
 
+    def last_input_ids(self) -> torch.Tensor:
+        """The last step's input ids on the device (speculative runners keep them)."""
+        return self.last[2]
+
     @torch.inference_mode()
     def draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The MTP layer's draft logits ``[len(rows), vocab]`` after the last step: ``next_ids[j]``

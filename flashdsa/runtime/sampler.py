@@ -41,11 +41,26 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
     return counts.scatter_add_(1, ids.clamp(0, vocab - 1), ones)
 
 
+def _penalised(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+
+
+def _short_of_min_tokens(seq: Sequence) -> bool:
+    return seq.num_output_tokens < seq.params.min_tokens
+
+
+def adjusts_logits(seq: Sequence) -> bool:
+    """Whether ``adjust_logits`` changes seq's row: a logit bias, penalties, a grammar, or EOS and
+    the stop ids held back until min_tokens."""
+    return bool(seq.params.logit_bias) or _penalised(seq) or seq.matcher is not None or _short_of_min_tokens(seq)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: [N, vocab] fp32, penalised in place."""
-    params = [s.params for s in seqs]
-    if all(p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params):
+    if not any(_penalised(s) for s in seqs):
         return logits
+    params = [s.params for s in seqs]
     vocab, device = logits.shape[1], logits.device
     output_counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)
     seen = (output_counts + _token_counts([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, device)) > 0
@@ -96,7 +111,7 @@ def _min_tokens_banned(seq: Sequence) -> dict[int, float]:
 
 def mask_until_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Forbid EOS and the stop token ids for sequences still short of min_tokens."""
-    rows = [i for i, seq in enumerate(seqs) if seq.num_output_tokens < seq.params.min_tokens]
+    rows = [i for i, seq in enumerate(seqs) if _short_of_min_tokens(seq)]
     parts = [_request_tensors(seqs[i], "min_tokens", logits.device, lambda: _min_tokens_banned(seqs[i])) for i in rows]
     _put_rows(logits, rows, parts, accumulate=False)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from flashdsa.runtime.sampler import adjust_logits, draw, sample, sampled_logprobs, sampling_probs
+from flashdsa.runtime.sampler import adjust_logits, adjusts_logits, draw, sample, sampled_logprobs, sampling_probs
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
 
@@ -129,12 +129,9 @@ def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
 
 
 def plain_greedy(seq: Sequence) -> bool:
-    """Greedy, no logprobs, and nothing that reshapes its logits (bias, penalties, a grammar, EOS
-    held back by min_tokens): its tokens are plain argmaxes, which the device can verify alone."""
-    p = seq.params
-    return (p.greedy and p.logprobs is None and seq.matcher is None and not p.logit_bias
-            and p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
-            and seq.num_output_tokens >= p.min_tokens)
+    """Greedy, no logprobs, and nothing that reshapes its logits (``sampler.adjusts_logits``): its
+    tokens are plain argmaxes, which the device can verify alone."""
+    return seq.params.greedy and seq.params.logprobs is None and not adjusts_logits(seq)
 
 
 def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor, chunks: list[ScheduledChunk]
@@ -146,7 +143,7 @@ def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor, chunks:
     step reads the device once instead of four times."""
     device = logits.device
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
-    drafts = runner.last[2][1::2]  # the step's odd input ids, on the device: no host copy to wait for
+    drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     accepted = picks[0::2] == drafts
     # MTP inputs: the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if accepted);
     # each sequence drafts from its last committed token.
