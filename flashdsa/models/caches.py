@@ -69,7 +69,7 @@ def store_latent(pool: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slo
     if pool.dtype == torch.uint8:
         write_mla_cache(c_kv, k_pe, pool, slots)
     else:
-        _store_rows(pool, torch.cat([c_kv, k_pe], dim=-1), slots)
+        store_rows(pool, torch.cat([c_kv, k_pe], dim=-1), slots)
 
 
 def store_index_key(pool: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) -> None:
@@ -77,10 +77,11 @@ def store_index_key(pool: torch.Tensor, k: torch.Tensor, slots: torch.Tensor) ->
     if pool.dtype == torch.uint8:
         write_indexer_cache(k, pool, slots)
     else:
-        _store_rows(pool, k, slots)
+        store_rows(pool, k, slots)
 
 
-def _store_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+def store_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Unquantized rows ``[T, width]`` into a float pool ``[..., width]`` at flat ``slots: [T]`` (< 0 skipped)."""
     keep = slots >= 0
     pool.view(-1, pool.shape[-1])[slots[keep]] = rows[keep].to(pool.dtype)
 

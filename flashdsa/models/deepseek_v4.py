@@ -11,24 +11,37 @@ decoder layer fed ``e_proj(enorm(embed(next token))) + h_proj(hnorm(streams))`` 
 head and norm, sharing the embedding and lm_head.
 
 Parameter names are transformers' ``DeepseekV4ForCausalLM`` names (``model.layers.0.self_attn...``),
-and ``mtp.{k}.*`` for the MTP layers. A forward takes one sequence's next tokens and a
-:class:`V4Cache` (a fresh one: a full-sequence pass); prefill then decode steps through one cache
-compute what one pass over the whole sequence computes. Fp32 where transformers keeps fp32 (norm
+and ``mtp.{k}.*`` for the MTP layers. Two ways to run it:
+- :meth:`DeepseekV4ForCausalLM.forward_sequence`: one sequence's next tokens and a :class:`V4Cache`
+  (a fresh one: a full-sequence pass); prefill then decode steps through one cache compute what one
+  pass over the whole sequence computes. Always fp32-exact reference code (the layerwise oracle).
+- :meth:`DeepseekV4ForCausalLM.forward`: the engine's step, a flat batch of several sequences
+  described by a ``BatchMetadata`` over paged caches (``deepseek_v4_paged``, ``deepseek_v4_caches``),
+  in ``mode`` "reference" (fp32 pools) or "production" (FP8 MODEL1 pools, FP8 indexer). Fp32 where transformers keeps fp32 (norm
 weights, hyper-connections, sinks, gate biases, compressor position biases), ``dtype`` elsewhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from flashdsa.models.caches import MODES
 from flashdsa.models.deepseek_v4_attention import AttentionState, DeepseekV4Attention, RopeTable
+from flashdsa.models.deepseek_v4_caches import V4Caches, allocate_v4_caches, bytes_per_block, bytes_per_slot
 from flashdsa.models.deepseek_v4_config import SLIDING, DeepseekV4Config
+from flashdsa.models.deepseek_v4_paged import StepPlan, paged_attention
 from flashdsa.models.deepseek_v4_moe import DeepseekV4MoE
 from flashdsa.models.hyper_connections import HyperConnection, HyperHead, RMSNorm
 from flashdsa.models.rope import Rotary
+from flashdsa.runtime.cache.layout_v4 import V4_HEAD_DIM, V4_ROPE_DIM
+from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM
+from flashdsa.runtime.metadata import BatchMetadata
+
+PRODUCTION_WIDTHS = (V4_HEAD_DIM, V4_ROPE_DIM, INDEX_HEAD_DIM)  # head_dim, qk_rope_head_dim, index_head_dim
 
 
 @dataclass
@@ -57,9 +70,14 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, state: AttentionState,
                 ropes: dict[str, RopeTable]) -> torch.Tensor:
         """``h: [S, hc_mult, hidden]`` -> the same shape."""
-        x, post, comb = self.attn_hc(h)
         rope = ropes["compress" if self.compressed else "main"]
-        y = self.self_attn(self.input_layernorm(x), positions, state, rope, ropes["compress"])
+        return self.run(h, input_ids, lambda x: self.self_attn(x, positions, state, rope, ropes["compress"]))
+
+    def run(self, h: torch.Tensor, input_ids: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]):
+        """The layer around its attention, ``attention: [T, hidden] -> [T, hidden]`` (normed input to
+        output): hyper-connections, norms and MoE. ``h: [T, hc_mult, hidden]`` -> the same shape."""
+        x, post, comb = self.attn_hc(h)
+        y = attention(self.input_layernorm(x))
         h = HyperConnection.expand(y, h, post, comb)
         x, post, comb = self.ffn_hc(h)
         y = self.mlp(self.post_attention_layernorm(x), input_ids)
@@ -103,9 +121,22 @@ class V4Output:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, mtp_layers: int = 0):
+    # The engine's view: the window and compressor states live in per-sequence state slots, which
+    # a prefix-cache hit cannot restore (so no prefix caching yet); CUDA graphs are not captured yet.
+    supports_prefix_caching = False
+    supports_cuda_graphs = False
+
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
+                 mode: str = "reference"):
         super().__init__()
-        self.config = config
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        widths = (config.head_dim, config.qk_rope_head_dim, config.index_head_dim)
+        if mode == "production" and widths != PRODUCTION_WIDTHS:
+            raise ValueError(f"production mode needs (head_dim, qk_rope_head_dim, index_head_dim) = "
+                             f"{PRODUCTION_WIDTHS} (the FP8 MODEL1 and indexer cache layouts), got {widths}: "
+                             f"use mode='reference' for this checkpoint")
+        self.config, self.mode = config, mode
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(mtp_layers))
@@ -125,9 +156,31 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _positions(self, start: int, tokens: int) -> torch.Tensor:
         return torch.arange(start, start + tokens, device=self.device)
 
+    def allocate_caches(self, num_blocks: int, num_slots: int) -> V4Caches:
+        """Paged caches of ``num_blocks`` blocks and state for ``num_slots`` running sequences."""
+        return allocate_v4_caches(self.config, self.mode == "production", num_blocks, num_slots, self.device)
+
+    def cache_bytes_per_block(self) -> int:
+        return bytes_per_block(self.config, self.mode == "production")
+
+    def state_bytes_per_slot(self) -> int:
+        return bytes_per_slot(self.config, self.mode == "production")
+
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
-                output_hidden_states: bool = False) -> V4Output:
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: V4Caches) -> torch.Tensor:
+        """The engine's step: ``input_ids: [T]`` int64 of the sequences ``meta`` describes (their
+        state slots in ``meta.state_slots``) -> logits ``[len(meta.logits_indices), vocab]`` fp32."""
+        plan = StepPlan.build(meta, self.config.sliding_window, self.mode == "production")
+        x = self.model.embed_tokens(input_ids)
+        h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer, cache in zip(self.model.layers, caches.layers):
+            h = layer.run(h, input_ids, lambda y: paged_attention(layer.self_attn, y, plan, cache, self.ropes))
+        h = h[meta.logits_indices]
+        return self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+
+    @torch.no_grad()
+    def forward_sequence(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
+                         output_hidden_states: bool = False) -> V4Output:
         """``input_ids: [S]`` the sequence's next tokens (all of it when ``cache`` is None)."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor [S], got shape {list(input_ids.shape)}")
@@ -163,11 +216,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def generate_greedy(self, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy continuation of ``prompt: [S]``: one prefill, then one decode step per token."""
         cache = self.new_cache()
-        logits = self(prompt, cache).logits[-1]
+        logits = self.forward_sequence(prompt, cache).logits[-1]
         out = []
         for _ in range(max_new_tokens):
             out.append(int(logits.argmax()))
-            logits = self(torch.tensor(out[-1:], device=self.device), cache).logits[-1]
+            logits = self.forward_sequence(torch.tensor(out[-1:], device=self.device), cache).logits[-1]
         return torch.tensor(out)
 
 

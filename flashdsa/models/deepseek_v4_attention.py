@@ -31,24 +31,29 @@ QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk
 
 
 def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor,
-                          sm_scale: float) -> torch.Tensor:
+                          sm_scale: float, extra_kv: torch.Tensor | None = None,
+                          extra_indices: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse multi-query attention with per-head sinks, K = V.
 
     q: [S, H, D]; kv: [N, D] the K=V rows (window rows and compressed entries of one sequence);
     indices: [S, K] int64 rows of ``kv`` each query attends to, -1 (or any value outside [0, N))
-    invalid and ignored, duplicates counted twice; sinks: [H] fp32; sm_scale: float.
+    invalid and ignored, duplicates counted twice; sinks: [H] fp32; sm_scale: float;
+    extra_kv, extra_indices: optionally a second pool ``[N2, D]`` and its ``[S, K2]`` rows, attended
+    to together with the first (the engine keeps window rows and compressed entries apart).
     Returns out [S, H, D] in q's dtype: ``sum_k p_k kv[idx_k]`` with
     ``p_k = exp(s_k) / (exp(sink_h) + sum_j exp(s_j))``, ``s_k = sm_scale * q . kv[idx_k]``, fp32 math.
     A query with no valid index gets 0 (the sink takes all the weight).
     """
     out = torch.empty_like(q)
-    valid = (indices >= 0) & (indices < kv.shape[0])
-    safe = torch.where(valid, indices, 0)
+    pools = [(kv, indices)] + ([] if extra_kv is None else [(extra_kv, extra_indices)])
+    valid = [(idx >= 0) & (idx < pool.shape[0]) for pool, idx in pools]
+    safe = [torch.where(ok, idx, 0) for (_, idx), ok in zip(pools, valid)]
     for start in range(0, q.shape[0], QUERY_CHUNK):
         rows = slice(start, start + QUERY_CHUNK)
-        keys = kv[safe[rows]].float()  # [s, K, D]
+        keys = torch.cat([pool[idx[rows]] for (pool, _), idx in zip(pools, safe)], dim=1).float()  # [s, K, D]
+        ok = torch.cat([v[rows] for v in valid], dim=1)
         scores = torch.einsum("shd,skd->shk", q[rows].float(), keys) * sm_scale
-        scores = scores.masked_fill(~valid[rows, None, :], float("-inf"))
+        scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
         sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out[rows] = torch.einsum("shk,skd->shd", probs, keys).to(q.dtype)
@@ -117,10 +122,7 @@ class DeepseekV4Attention(nn.Module):
         RoPE (sliding: main, CSA/HCA: compress), ``compress_rope`` the compressors'."""
         tokens = x.shape[0]
         cos, sin = rope(positions)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = rms_normalize(self.q_b_proj(q_residual).view(tokens, self.heads, self.head_dim), self.eps)
-        q = rope_tail(q, cos, sin)
-        kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)  # [S, D]
+        q_residual, q, kv = self.project(x, cos, sin)
         rows = kv if state.window is None else torch.cat([state.window, kv])
         first = positions[0] - (rows.shape[0] - tokens)  # position of rows[0]
         state.window = rows[rows.shape[0] - min(rows.shape[0], self.window - 1):]
@@ -137,7 +139,16 @@ class DeepseekV4Attention(nn.Module):
                 picked = torch.where(entry[None, :] < visible_entries(positions, self.ratio)[:, None], entry, -1)
             indices = torch.cat([indices, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
             pool = torch.cat([rows, entries])
-        out = sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5)
+        return self.output(sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5), cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x: [T, hidden]`` with its RoPE angles -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
+        kv ``[T, D]``), q and kv RoPE'd."""
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = rms_normalize(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), self.eps)
+        return q_residual, rope_tail(q, cos, sin), rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, H, D]`` -> ``[T, hidden]``: RoPE dims rotated back, grouped projection."""
         out = rope_tail(out, cos, -sin)
-        out = self.o_a_proj(out.view(tokens, self.o_groups, -1))
-        return self.o_b_proj(out)
+        return self.o_b_proj(self.o_a_proj(out.view(out.shape[0], self.o_groups, -1)))

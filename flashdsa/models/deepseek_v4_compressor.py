@@ -119,10 +119,14 @@ class Indexer(Compressor):
         keys = self(x, state, cos_sin)  # [N, head_dim]
         q = self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim)
         q = rope_tail(q, *cos_sin(positions))
-        scores = F.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * self.head_dim**-0.5
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [S, heads]
-        scores = torch.einsum("shn,sh->sn", scores, weights)
-        return select_topk(scores, visible_entries(positions, self.ratio), self.topk)
+        return select_topk(self.score(q, keys, weights), visible_entries(positions, self.ratio), self.topk)
+
+    def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """fp32 scores ``[S, N]`` of queries ``q: [S, heads, head_dim]`` (RoPE'd) against ``keys: [N,
+        head_dim]`` with head weights ``weights: [S, heads]`` fp32 (``heads^-0.5`` folded in)."""
+        scores = F.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * self.head_dim**-0.5
+        return torch.einsum("shn,sh->sn", scores, weights)
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:

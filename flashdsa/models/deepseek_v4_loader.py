@@ -122,10 +122,11 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
-def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                  mtp: bool = False) -> DeepseekV4ForCausalLM:
-    """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout);
-    ``mtp`` also loads its multi-token-prediction layers. Raises ValueError naming every missing,
+def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                  mtp: bool = False, mode: str = "reference") -> DeepseekV4ForCausalLM:
+    """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout)
+    in ``mode`` ("reference": fp32 by default; "production": bf16 by default, FP8 caches); ``mtp``
+    also loads its multi-token-prediction layers. Raises ValueError naming every missing,
     unexpected or mis-shaped tensor, and for FP4 experts."""
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
@@ -134,7 +135,8 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
     if mtp and config.num_nextn_predict_layers < 1:
         raise ValueError(f"checkpoint {path} has no multi-token-prediction layer (num_nextn_predict_layers 0)")
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0)
+        dtype = dtype or (torch.bfloat16 if mode == "production" else torch.float32)
+        model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0, mode)
     model.to_empty(device=device)
     dests = model.state_dict(keep_vars=True)
     files = checkpoint_files(path)

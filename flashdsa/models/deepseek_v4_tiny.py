@@ -1,9 +1,11 @@
 """Tiny random DeepSeek-V4 checkpoints in the official layout, for tests and demos.
 
 Four layers cover every layer type: sliding window + hash MoE, CSA + hash MoE, HCA + routed MoE,
-CSA + routed MoE, plus one MTP layer. Widths are small (hidden 64, head_dim 64 with 16 RoPE dims,
-16 indexer heads so exact score ties are rare) but the window (128) and the ratios (4 and 128)
-are V4's, so sequences of a few hundred tokens cross every boundary. Weights are bf16 (fp32 where
+CSA + routed MoE, plus one MTP layer. Widths are small (hidden 64, 16 indexer heads so exact score
+ties are rare) but the window (128) and the ratios (4 and 128) are V4's, so sequences of a few
+hundred tokens cross every boundary. The attention widths are V4's own (head_dim 512 with 64 RoPE
+dims, indexer heads of 128: what production mode's FP8 caches take) unless ``small`` asks for
+head_dim 64 with 16 RoPE dims and indexer heads of 32 (reference mode only, 5x faster tests). Weights are bf16 (fp32 where
 DeepSeek keeps fp32), or with ``fp8`` e4m3 with power-of-two (ue8m0) scales per 128x128 block, as
 the release stores its linears. transformers' ``DeepseekV4ForCausalLM`` reads these checkpoints too.
 """
@@ -36,13 +38,14 @@ TINY = dict(
     rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=256),
     num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
 )
+PRODUCTION_WIDTHS = dict(head_dim=512, qk_rope_head_dim=64, index_head_dim=128)
 # Linears the release keeps in bf16 (every other 2-D weight outside the experts' FP4 is e4m3).
 NOT_FP8 = ("embed.weight", "head.weight", "ffn.gate.weight", "compressor.wkv.weight", "compressor.wgate.weight",
            "weights_proj.weight")
 
 
-def tiny_v4_config(vocab_size: int = 512) -> DeepseekV4Config:
-    return DeepseekV4Config.from_dict({**TINY, "vocab_size": vocab_size})
+def tiny_v4_config(vocab_size: int = 512, small: bool = False) -> DeepseekV4Config:
+    return DeepseekV4Config.from_dict({**TINY, **({} if small else PRODUCTION_WIDTHS), "vocab_size": vocab_size})
 
 
 def _init(name: str, shape: torch.Size, gen: torch.Generator, config: DeepseekV4Config) -> torch.Tensor:
@@ -99,12 +102,13 @@ def to_fp8_ue8m0(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shards: int = 1) -> Path:
+def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shards: int = 1,
+                            small: bool = False) -> Path:
     """Write a tiny random DeepSeek-V4 checkpoint (config, official-layout weights with the MTP layer,
-    tokenizer) into ``path`` (created if missing)."""
+    tokenizer) into ``path`` (created if missing); ``small``: the narrow attention (module docstring)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_v4_config(save_tokenizer(path))
+    config = tiny_v4_config(save_tokenizer(path), small)
     if fp8:
         config.quantization_config = dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0",
                                           activation_scheme="dynamic", weight_block_size=[GROUP, GROUP])

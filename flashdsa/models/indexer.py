@@ -13,6 +13,7 @@ without either, as Hugging Face does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -99,23 +100,55 @@ class Indexer(nn.Module):
         return logits
 
     def _fp8_select(self, q: torch.Tensor, w: torch.Tensor, meta: BatchMetadata, pool: torch.Tensor) -> torch.Tensor:
-        """Hadamard + FP8 scores over the indexer cache, then top-k: ``[T, topk]`` positions.
+        """Hadamard + FP8 scores over the indexer cache, then top-k: ``[T, topk]`` positions."""
+        return fp8_select(q, w * self.head_dim**-0.5, pool, KeyRanges.of_tokens(meta), self.topk)
 
-        Decode-sized steps (every sequence with the same few queries) score the pages in one call;
-        otherwise each sequence's keys are gathered and scored and selected chunk by chunk, so no
-        whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
-        q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H_I, D] e4m3, [T, H_I]
-        w = w * q_scale * self.head_dim**-0.5
-        ranges = meta.sequence_ranges()
-        counts = set(meta.query_lens)
-        if len(counts) == 1 and max(counts) <= PAGED_MAX_QUERIES:
-            q_fp8 = q_fp8.view(len(ranges), counts.pop(), self.n_heads, self.head_dim)
-            logits = indexer_logits_paged(q_fp8, w, pool, meta.context_lens, meta.block_tables, meta.max_context_len)
-            return self.topk(logits, (meta.positions + 1).to(torch.int32), sorted=False)
-        out = torch.empty(q.shape[0], self.topk.k, dtype=torch.int32, device=q.device)
-        for b, (t0, t1, length) in enumerate(ranges):
-            k_fp8, k_scale = gather_fp8_keys(pool, meta.block_tables[b], length)  # [L, D], [L]
-            ends = (meta.positions[t0:t1] + 1).to(torch.int32)
-            starts = torch.zeros_like(ends)
-            out[t0:t1] = indexer_fused_topk(q_fp8[t0:t1], w[t0:t1], k_fp8, k_scale, starts, ends, self.topk.k)
-        return out
+
+@dataclass
+class KeyRanges:
+    """Which cached keys a step's queries score: sequence b has ``lengths_host[b]`` keys
+    (``lengths: [B]`` int32 on the device) in the pages of ``block_tables[b]``; query t scores keys
+    ``[0, ends[t])`` (``ends: [T]`` int32); ``max_length`` >= every length (host int). ``paged_queries``:
+    queries per sequence up to which a step of equal counts may score the pages in one call (that
+    kernel's causal rule, query j of n at key ``length - n + j``, must agree with ``ends``)."""
+
+    lengths: torch.Tensor
+    lengths_host: tuple[int, ...]
+    ends: torch.Tensor
+    max_length: int
+    query_lens: tuple[int, ...]
+    block_tables: torch.Tensor
+    paged_queries: int = PAGED_MAX_QUERIES
+
+    @classmethod
+    def of_tokens(cls, meta: BatchMetadata) -> "KeyRanges":
+        """One key per cached token, causal (V3.2)."""
+        return cls(meta.context_lens, meta.context_lens_host, (meta.positions + 1).to(torch.int32),
+                   meta.max_context_len, meta.query_lens, meta.block_tables)
+
+
+def fp8_select(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, keys: KeyRanges, topk: TopK) -> torch.Tensor:
+    """Top-k of the Hadamard + FP8 scores of ``q: [T, H, D]`` (head weights ``w: [T, H]`` fp32, every
+    constant folded in) over an FP8 indexer pool: ``[T, topk.k]`` int32 key positions, -1 padded.
+
+    Decode-sized steps (every sequence with the same few queries) score the pages in one call;
+    otherwise each sequence's keys are gathered and scored and selected chunk by chunk, so no
+    whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
+    heads, dim = q.shape[1:]
+    q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H, D] e4m3, [T, H]
+    w = w * q_scale
+    counts = set(keys.query_lens)
+    if len(counts) == 1 and max(counts) <= keys.paged_queries:
+        q_fp8 = q_fp8.view(len(keys.query_lens), counts.pop(), heads, dim)
+        lengths = keys.lengths.clamp_min(q_fp8.shape[1])  # keys past ``ends`` are not selected
+        logits = indexer_logits_paged(q_fp8, w, pool, lengths, keys.block_tables, max(keys.max_length, q_fp8.shape[1]))
+        return topk(logits, keys.ends, sorted=False)
+    out = torch.empty(q.shape[0], topk.k, dtype=torch.int32, device=q.device)
+    first = 0
+    for b, (n, length) in enumerate(zip(keys.query_lens, keys.lengths_host)):
+        k_fp8, k_scale = gather_fp8_keys(pool, keys.block_tables[b], length)  # [L, D], [L]
+        ends = keys.ends[first:first + n]
+        out[first:first + n] = indexer_fused_topk(q_fp8[first:first + n], w[first:first + n], k_fp8, k_scale,
+                                                  torch.zeros_like(ends), ends, topk.k)
+        first += n
+    return out

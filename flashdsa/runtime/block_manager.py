@@ -9,6 +9,11 @@ blocks first, then evict cached ones in least-recently-freed order.
 
 Allocator refcounts: one per sequence holding the block; an evictable block keeps exactly one,
 held by the cache itself, which is handed over to whoever reuses or evicts it.
+
+Models with per-sequence state besides the paged caches (DeepSeek-V4's sliding window and
+compressor states) get ``num_state_slots`` slots: a sequence takes one with its first blocks and
+gives it back with them, so a preempted sequence restarts from an empty state. There are as many
+slots as running sequences may be, so a running sequence always finds one.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, num_state_slots: int = 0) -> None:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.allocator = BlockAllocator(num_blocks)
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.hash_to_block: dict[int, int] = {}
         self.block_to_hash: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
@@ -84,6 +90,8 @@ class BlockManager:
         """Extend seq's block table to hold num_tokens tokens; False (nothing taken) if short."""
         if not self.can_grow(seq, num_tokens):
             return False
+        if seq.state_slot < 0 and self.free_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
         while len(seq.block_table) < seq.num_blocks_for(num_tokens):
             seq.block_table.append(self._take_block())
         return True
@@ -122,3 +130,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        if seq.state_slot >= 0:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1

@@ -30,6 +30,8 @@ class BatchMetadata:
     context_lens_host: host ints, the same as ``context_lens``.
     max_context_len: host int >= every context length: the width of the paged indexer's scores
         (a CUDA graph fixes it at capture, so it may exceed the batch's longest context).
+    state_slots: [B] int64, each sequence's state slot (``BlockManager``; models with
+        per-sequence state only), or None.
     """
 
     positions: torch.Tensor
@@ -42,6 +44,7 @@ class BatchMetadata:
     query_lens: tuple[int, ...]
     context_lens_host: tuple[int, ...]
     max_context_len: int
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -50,10 +53,11 @@ class BatchMetadata:
     @classmethod
     def for_step(
         cls, starts: list[int], counts: list[int], block_tables: torch.Tensor, logits_indices: torch.Tensor,
-        block_size: int = BLOCK_SIZE,
+        block_size: int = BLOCK_SIZE, state_slots: list[int] | None = None,
     ) -> "BatchMetadata":
         """Metadata (CPU) of a step in which sequence b runs ``counts[b]`` tokens from position
-        ``starts[b]``, its blocks in row b of ``block_tables: [B, max_blocks]`` int32."""
+        ``starts[b]``, its blocks in row b of ``block_tables: [B, max_blocks]`` int32 (and its
+        state in slot ``state_slots[b]``)."""
         counts_t, starts_t = torch.tensor(counts), torch.tensor(starts)
         query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
         query_start_loc[1:] = counts_t.cumsum(0)
@@ -73,6 +77,7 @@ class BatchMetadata:
             query_lens=tuple(counts),
             context_lens_host=tuple(s + c for s, c in zip(starts, counts)),
             max_context_len=max((s + c for s, c in zip(starts, counts)), default=0),
+            state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -56,8 +56,10 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
         num_rows.append(len(logits_indices) - row_start[-1])
     width = max(len(c.seq.block_table) for c in chunks)
     tables = torch.tensor([c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in chunks], dtype=torch.int32)
+    slots = [c.seq.state_slot for c in chunks]
     meta = BatchMetadata.for_step([c.start for c in chunks], [c.num_run for c in chunks], tables,
-                                  torch.tensor(logits_indices, dtype=torch.int64))
+                                  torch.tensor(logits_indices, dtype=torch.int64),
+                                  state_slots=slots if min(slots) >= 0 else None)
     return torch.tensor(ids, dtype=torch.int64), meta, row_start, num_rows
 
 

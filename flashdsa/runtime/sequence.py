@@ -79,6 +79,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.state_slot = -1  # the per-sequence state (DeepSeek-V4's window and compressors) it holds, -1: none
         self.num_cached_prompt_tokens = 0  # prompt tokens found in the prefix cache (first schedule)
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprobs] = []

@@ -10,7 +10,7 @@ from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 
 @pytest.fixture(scope="module")
 def v4_checkpoint(tmp_path_factory):
-    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4"), seed=3, shards=2)
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4"), seed=3, shards=2, small=True)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_every_layer_and_the_csa_topk_sets_match_transformers(v4, hf_v4, random_
             hook.remove()
     select = deepseek_v4_compressor.select_topk
     monkeypatch.setattr(deepseek_v4_compressor, "select_topk", lambda *a: ours_picks.append(select(*a)) or ours_picks[-1])
-    out = v4(ids, output_hidden_states=True)
+    out = v4.forward_sequence(ids, output_hidden_states=True)
     # transformers' hidden_states: the embeddings, each layer's output but the last, the normed output
     assert len(ref.hidden_states) == len(out.hidden_states) + 1
     for layer, hidden in enumerate(out.hidden_states[:-1]):
@@ -71,11 +71,11 @@ def test_greedy_decode_matches_transformers_over_256_tokens(v4, hf_v4, random_id
 @pytest.mark.parametrize("length", [1, 3, 4, 5, 127, 128, 129, 300])
 def test_prefill_then_decode_equals_one_full_pass(v4, random_ids, length):
     ids = random_ids(length, seed=length)
-    full = v4(ids).logits
+    full = v4.forward_sequence(ids).logits
     cache = v4.new_cache()
     split = 2 * length // 3  # the decode steps still cross the window (128) and HCA (256) boundaries
-    steps = [v4(ids[:split], cache).logits] if split else []
-    steps += [v4(ids[i:i + 1], cache).logits for i in range(split, length)]
+    steps = [v4.forward_sequence(ids[:split], cache).logits] if split else []
+    steps += [v4.forward_sequence(ids[i:i + 1], cache).logits for i in range(split, length)]
     assert cache.length == length
     torch.testing.assert_close(torch.cat(steps), full, rtol=1e-4, atol=1e-4)
 
@@ -83,13 +83,13 @@ def test_prefill_then_decode_equals_one_full_pass(v4, random_ids, length):
 def test_chunked_prefill_equals_one_full_pass(v4, random_ids):
     ids = random_ids(300, seed=4)
     cache = v4.new_cache()
-    chunks = [v4(ids[i:i + 37], cache).logits for i in range(0, 300, 37)]  # 37: not a window multiple
-    torch.testing.assert_close(torch.cat(chunks), v4(ids).logits, rtol=1e-4, atol=1e-4)
+    chunks = [v4.forward_sequence(ids[i:i + 37], cache).logits for i in range(0, 300, 37)]  # 37: not a window multiple
+    torch.testing.assert_close(torch.cat(chunks), v4.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_mtp_layer_decodes_as_its_full_pass(v4, random_ids):
     ids = random_ids(140, seed=5)
-    main = v4(ids)
+    main = v4.forward_sequence(ids)
     full = v4.mtp_forward(ids[1:], main.streams[:-1], v4.new_cache())
     assert full.shape == (139, v4.config.vocab_size) and torch.isfinite(full).all()
     cache = v4.new_cache()
@@ -118,4 +118,4 @@ def test_sparse_sink_attention_against_a_dense_softmax():
 @pytest.mark.parametrize("ids", [torch.tensor([]), torch.zeros(2, 3), torch.tensor([0, 512]), torch.tensor([-1])])
 def test_bad_input_ids_raise_naming_them(v4, ids):
     with pytest.raises(ValueError, match="input_ids"):
-        v4(ids.long())
+        v4.forward_sequence(ids.long())

@@ -14,7 +14,7 @@ from flashdsa.models.rope import Rotary
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory):
-    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4bf16"), seed=7)
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4bf16"), seed=7, small=True)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -59,13 +59,13 @@ def test_model_type_tells_v4_from_v32(bf16_checkpoint, shrunk):
 
 
 def test_fp8_ue8m0_checkpoint_loads_close_to_its_bf16_twin(bf16_checkpoint, tmp_path, random_ids):
-    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=7, fp8=True)
+    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=7, fp8=True, small=True)
     stored = load_file(fp8 / "model.safetensors")
     assert stored["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert stored["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
     assert stored["layers.1.attn.compressor.wkv.weight"].dtype == torch.bfloat16
     ids = random_ids(64)
-    a, b = load_v4_model(bf16_checkpoint)(ids).logits, load_v4_model(fp8)(ids).logits
+    a, b = load_v4_model(bf16_checkpoint).forward_sequence(ids).logits, load_v4_model(fp8).forward_sequence(ids).logits
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
 
 
@@ -74,7 +74,7 @@ def test_transformers_layout_loads_the_same_model(bf16_checkpoint, tmp_path, ran
     (tmp_path / "config.json").write_text((bf16_checkpoint / "config.json").read_text())
     save_file({k: v.contiguous() for k, v in official.state_dict().items()}, tmp_path / "model.safetensors")
     ids = random_ids(40)
-    torch.testing.assert_close(load_v4_model(tmp_path)(ids).logits, official(ids).logits)
+    torch.testing.assert_close(load_v4_model(tmp_path).forward_sequence(ids).logits, official.forward_sequence(ids).logits)
 
 
 def _rewrite(checkpoint, tmp_path, edit):

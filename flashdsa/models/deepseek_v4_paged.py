@@ -1,0 +1,191 @@
+"""DeepSeek-V4 attention in the engine: a flat batch of several sequences over the paged caches.
+
+The equations are ``DeepseekV4Attention``'s (its projections, compressors and indexer modules are
+used as they are); what changes is where the rows come from (``deepseek_v4_caches``):
+
+* window: each token attends to positions ``(p - W, p]``. Rows before its sequence's first token of
+  the step come from the sequence's ring (W - 1 of them, gathered into the step's window pool
+  before any is overwritten); the step's own rows follow them. After the attention the rows that
+  are still in the window at the end of the step go into the ring.
+* compressors: the step's tokens update each sequence's state slot (reset where a sequence starts
+  at position 0); every window they close becomes an entry (norm + RoPE at the window's start)
+  written to the paged pool. A decode step (one token per sequence) updates all states in one
+  batched call; other steps go sequence by sequence.
+* selection: CSA queries take the lightning indexer's top-k of the visible entries
+  (``j < (p + 1) // ratio``), HCA queries every visible entry.
+
+Reference mode attends in fp32 with ``sparse_sink_attention`` over the pools' rows (entries stay in
+their pool: the slot ids index it); production mode quantizes the window pool to MODEL1 and runs
+``sparse_attention_v4_decode`` over both FP8 pools, and selects with the FP8 indexer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdsa.models.caches import gather_rows, store_index_key, store_rows
+from flashdsa.models.deepseek_v4_attention import DeepseekV4Attention, RopeTable, sparse_sink_attention
+from flashdsa.models.deepseek_v4_caches import V4LayerCache, entry_slots
+from flashdsa.models.deepseek_v4_compressor import Compressor, Indexer, rope_tail, select_topk, visible_entries
+from flashdsa.models.deepseek_v4_config import CSA
+from flashdsa.models.indexer import KeyRanges, TopK, fp8_select
+from flashdsa.runtime.cache import write_v4_cache
+from flashdsa.runtime.cache.layout_v4 import gather_v4
+from flashdsa.runtime.cache.pool import v4_pool
+from flashdsa.runtime.compressor import compress_decode_step, compress_sequence
+from flashdsa.runtime.kernels.v4 import sparse_attention_v4_decode
+from flashdsa.runtime.metadata import BatchMetadata
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one engine step needs besides its input (built once per forward).
+
+    starts: [B] first position each sequence runs; slots: [B] their state slots; tables: [T, max_blocks]
+    each token's block table; ring_old: [B * (W - 1)] ring rows (``slot * W + position % W``) of the
+    window rows before each sequence's step, -1 before position 0; window: [T, W] each token's
+    window rows in the step's pool (the W - 1 gathered rows per sequence, then the step's tokens),
+    -1 before position 0; ring_new: [T] the ring row each token's row goes to, -1 for rows out of
+    the window by the step's end."""
+
+    meta: BatchMetadata
+    starts: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    ring_old: torch.Tensor
+    window: torch.Tensor
+    ring_new: torch.Tensor
+    decode: bool
+    production: bool
+
+    @classmethod
+    def build(cls, meta: BatchMetadata, window: int, production: bool) -> "StepPlan":
+        positions, seq_ids, qsl = meta.positions, meta.seq_ids, meta.query_start_loc.long()
+        ends = meta.context_lens.long()
+        starts = ends - (qsl[1:] - qsl[:-1])
+        slots = meta.state_slots
+        before = window - 1
+        old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
+        ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
+        wanted = positions[:, None] - before + torch.arange(window, device=positions.device)  # [T, W] positions
+        start = starts[seq_ids, None]
+        from_ring = seq_ids[:, None] * before + wanted - (start - before)
+        from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
+        rows = torch.where(wanted < start, from_ring, from_step)
+        keep = positions >= ends[seq_ids] - window
+        ring_new = torch.where(keep, slots[seq_ids] * window + positions % window, -1)
+        return cls(meta, starts, slots, meta.block_tables.long()[seq_ids], ring_old,
+                   torch.where(wanted >= 0, rows, -1), ring_new, max(meta.query_lens) == 1, production)
+
+    def window_pool(self, ring: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The step's window rows: each sequence's W - 1 ring rows, then ``kv: [T, D]`` (reference:
+        ``[rows, D]`` float; production: a one-block MODEL1 pool)."""
+        if not self.production:
+            return torch.cat([ring.view(-1, ring.shape[-1])[self.ring_old.clamp_min(0)].to(kv.dtype), kv])
+        old = self.ring_old.numel()
+        pool = v4_pool(1, kv.device, old + kv.shape[0])
+        rows = torch.arange(old + kv.shape[0], device=kv.device)
+        write_v4_cache(gather_v4(ring, self.ring_old.clamp_min(0)), pool, torch.where(self.ring_old >= 0, rows[:old], -1))
+        write_v4_cache(kv, pool, rows[old:])
+        return pool
+
+    def store_window(self, ring: torch.Tensor, kv: torch.Tensor) -> None:
+        store_v4_rows(ring, kv, self.ring_new)
+
+
+def store_v4_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """K=V rows ``[T, D]`` into a MODEL1 (uint8) or float pool at ``slots: [T]`` (< 0 skipped)."""
+    if pool.dtype == torch.uint8:
+        write_v4_cache(rows, pool, slots)
+    else:
+        store_rows(pool, rows, slots)
+
+
+def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, cache: V4LayerCache,
+                    ropes: dict[str, RopeTable]) -> torch.Tensor:
+    """One layer's attention over a step: ``x: [T, hidden]`` (normed) -> ``[T, hidden]``; writes
+    the step's rows, entries and states into ``cache``."""
+    positions = plan.meta.positions
+    cos, sin = ropes["compress" if attn.ratio else "main"](positions)
+    q_residual, q, kv = attn.project(x, cos, sin)
+    window = plan.window_pool(cache.window, kv)
+    picked = None
+    if attn.ratio:
+        compress(attn.compressor, x, plan, cache.entries, cache.state, ropes["compress"])
+        if attn.layer_type == CSA:
+            indexer = attn.compressor.indexer
+            compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
+            picked = select_entries(indexer, x, q_residual, plan, cache.index, ropes["compress"])
+        elif plan.meta.max_context_len >= attn.ratio:
+            entry = torch.arange(plan.meta.max_context_len // attn.ratio, device=x.device)
+            picked = torch.where(entry < visible_entries(positions, attn.ratio)[:, None], entry, -1)
+    main = None if picked is None else (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
+    out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan.production)
+    plan.store_window(cache.window, kv)
+    return attn.output(out, cos, sin)
+
+
+def attend(q: torch.Tensor, window: torch.Tensor, window_rows: torch.Tensor, main: tuple | None, sinks: torch.Tensor,
+           scale: float, production: bool) -> torch.Tensor:
+    """Sinked attention of ``q: [T, H, D]`` over its window rows and the ``main = (pool, slots [T, K])``
+    compressed entries, if any -> ``[T, H, D]``."""
+    if not production:
+        entries = None if main is None else main[0].view(-1, main[0].shape[-1])
+        return sparse_sink_attention(q, window, window_rows, sinks, scale, entries, None if main is None else main[1])
+    sets = [(window, window_rows)] if main is None else [main, (window, window_rows)]
+    (pool, rows), extra = sets[0], (sets[1] if len(sets) > 1 else (None, None))
+    out, _ = sparse_attention_v4_decode(
+        q[None], pool, rows[None].int(), scale, attn_sink=sinks, extra_kv_cache=extra[0],
+        extra_indices=None if extra[1] is None else extra[1][None].int())
+    return out[0]
+
+
+def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
+             state: tuple[torch.Tensor, torch.Tensor], rope: RopeTable) -> None:
+    """Feed the step's tokens to ``module``'s per-sequence states and write the entries of the
+    windows they close into ``pool`` (module docstring)."""
+    ratio, meta = module.ratio, plan.meta
+    kv, gate = module.kv_proj(x), module.gate_proj(x)
+    fresh = (plan.starts == 0)[:, None, None]
+    state_kv = torch.where(fresh, 0.0, state[0][plan.slots])
+    state_score = torch.where(fresh, float("-inf"), state[1][plan.slots])
+    if plan.decode:
+        pooled, closed = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap,
+                                              state_kv, state_score)
+        ids = torch.where(closed, (meta.positions + 1) // ratio - 1, -1)
+        owners = torch.arange(len(meta.query_lens), device=x.device)
+    else:
+        pooled, ids, owners = [], [], []
+        for b, (first, end, length) in enumerate(meta.sequence_ranges()):
+            start = length - (end - first)
+            pooled.append(compress_sequence(kv[first:end], gate[first:end], module.position_bias, module.overlap,
+                                            start_pos=start, state_kv=state_kv[b], state_score=state_score[b])[0])
+            ids.append(torch.arange(start // ratio, length // ratio, device=x.device))
+            owners.append(torch.full_like(ids[-1], b))
+        pooled, ids, owners = torch.cat(pooled), torch.cat(ids), torch.cat(owners)
+    state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
+    entries = rope_tail(module.kv_norm(pooled.to(x.dtype)), *rope(ids.clamp_min(0) * ratio))
+    slots = entry_slots(ids[:, None], meta.block_tables.long()[owners], ratio)[:, 0]
+    (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, slots)
+
+
+def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
+                   rope: RopeTable) -> torch.Tensor:
+    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded."""
+    meta, ratio, k = plan.meta, indexer.ratio, indexer.topk
+    q = rope_tail(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.heads, indexer.head_dim), *rope(meta.positions))
+    weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5
+    visible = visible_entries(meta.positions, ratio)
+    if pool.dtype == torch.uint8:
+        lengths = [n // ratio for n in meta.context_lens_host]
+        keys = KeyRanges((meta.context_lens // ratio).int(), tuple(lengths), visible.int(),
+                         meta.max_context_len // ratio, meta.query_lens, meta.block_tables, paged_queries=1)
+        return fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long()
+    out = torch.full((x.shape[0], k), -1, dtype=torch.int64, device=x.device)
+    for b, (first, end, length) in enumerate(meta.sequence_ranges()):
+        keys = gather_rows(pool, meta.block_tables[b], length // ratio)
+        picked = select_topk(indexer.score(q[first:end], keys, weights[first:end]), visible[first:end], k)
+        out[first:end, :picked.shape[1]] = picked
+    return out

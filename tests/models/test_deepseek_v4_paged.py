@@ -1,0 +1,103 @@
+"""DeepSeek-V4's engine step (flat batches over paged caches and state slots) against its own
+one-sequence reference path, which matches transformers (test_deepseek_v4.py)."""
+
+import pytest
+import torch
+
+from flashdsa.models.deepseek_v4_caches import bytes_per_block, entries_per_block, entry_slots
+from flashdsa.models.deepseek_v4_loader import load_v4_model
+from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
+from flashdsa.runtime.metadata import BatchMetadata
+
+BLOCKS_PER_SEQ = 8  # 512 tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4paged"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return load_v4_model(checkpoint)
+
+
+def run_steps(model, sequences: dict, steps: list[dict], caches=None):
+    """Run ``steps`` (each {sequence name: tokens to run}) through ``model``'s engine forward.
+    ``sequences``: name -> (ids [L], state slot, first block). Returns name -> logits of every token."""
+    caches = caches or model.allocate_caches(BLOCKS_PER_SEQ * 4, 4)
+    done = {name: 0 for name in sequences}
+    rows = {name: [] for name in sequences}
+    for step in steps:
+        names = list(step)
+        ids = torch.cat([sequences[n][0][done[n]:done[n] + step[n]] for n in names])
+        tables = torch.tensor([list(range(sequences[n][2], sequences[n][2] + BLOCKS_PER_SEQ)) for n in names])
+        meta = BatchMetadata.for_step([done[n] for n in names], [step[n] for n in names], tables,
+                                      torch.arange(ids.numel()), state_slots=[sequences[n][1] for n in names])
+        logits = model(ids, meta, caches)
+        first = 0
+        for n in names:
+            rows[n].append(logits[first:first + step[n]])
+            first += step[n]
+            done[n] += step[n]
+    return {n: torch.cat(r) for n, r in rows.items()}, caches
+
+
+SEQUENCES = {"a": (300, 2, 0), "b": (133, 0, 8), "c": (6, 1, 16)}
+STEPS = [{"a": 100, "b": 131, "c": 3}, {"a": 100, "c": 1}, {"a": 1, "b": 1, "c": 1}, {"a": 99, "b": 1, "c": 1}]
+
+
+@pytest.fixture(scope="module")
+def sequences(random_ids_module):
+    return {name: (random_ids_module(n, seed=i), slot, block * 1)
+            for i, (name, (n, slot, block)) in enumerate(SEQUENCES.items())}
+
+
+@pytest.fixture(scope="module")
+def random_ids_module():
+    def make(n, seed):
+        return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
+    return make
+
+
+def test_mixed_chunked_and_decode_steps_equal_the_one_sequence_path(reference, sequences):
+    got, caches = run_steps(reference, sequences, STEPS)
+    for name, (ids, _, _) in sequences.items():
+        torch.testing.assert_close(got[name], reference.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
+    # a new sequence in a used slot (c's), one token a step from position 0 (the batched decode path)
+    ids = torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(9))
+    again, _ = run_steps(reference, {"d": (ids, 1, 24)}, [{"d": 1}] * 9, caches)
+    torch.testing.assert_close(again["d"], reference.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_production_mode_tracks_the_bf16_one_sequence_path(checkpoint, sequences):
+    """FP8 window rows, entries and indexer keys against the same bf16 weights unquantized: as close
+    as bf16 is to fp32 on this random model (mean cosine 0.9997, a few rows near 0.95)."""
+    model = load_v4_model(checkpoint, mode="production")
+    got, _ = run_steps(model, sequences, STEPS)
+    for name, (ids, _, _) in sequences.items():
+        cosine = torch.nn.functional.cosine_similarity(got[name], model.forward_sequence(ids).logits, dim=-1)
+        assert cosine.mean() > 0.995 and cosine.min() > 0.9, (name, cosine.mean(), cosine.min())
+
+
+def test_entry_slots_follow_the_block_of_each_window_end():
+    tables = torch.tensor([[5, 7, 9, -1]])
+    csa = entry_slots(torch.tensor([[0, 15, 16, 40, -1]]), tables, 4)  # 16 entries a block
+    assert csa.tolist() == [[5 * 16, 5 * 16 + 15, 7 * 16, 9 * 16 + 8, -1]]
+    hca = entry_slots(torch.tensor([[0, 1, 2]]), tables, 128)  # entry j ends in block 2 j + 1
+    assert hca.tolist() == [[7, -1, -1]]  # block 3 is unlisted, block 5 beyond the table
+    assert entries_per_block(4) == 16 and entries_per_block(128) == 1
+    with pytest.raises(ValueError, match="ratio 48"):
+        entries_per_block(48)
+
+
+def test_cache_bytes_grow_at_each_layer_types_rate(reference):
+    config = reference.config  # layers: sliding, CSA, HCA, CSA
+    assert bytes_per_block(config, production=True) == 2 * 16 * (584 + 132) + 584
+    assert reference.state_bytes_per_slot() > 0
+
+
+def test_production_mode_needs_v4_attention_widths(tmp_path):
+    small = make_tiny_v4_checkpoint(tmp_path, small=True)
+    with pytest.raises(ValueError, match="production mode needs"):
+        load_v4_model(small, mode="production")
