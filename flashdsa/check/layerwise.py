@@ -1,8 +1,9 @@
-"""Layer-by-layer comparison of flashdsa's DeepSeek-V3.2 with Hugging Face ``transformers``.
+"""Layer-by-layer comparison of flashdsa's DeepSeek-V3.2 or V4 with Hugging Face ``transformers``.
 
 Both models run the same tokens as one prefill. Per layer: cosine and max relative error
-(``max|a - b| / max|b|``) of the hidden states, and the indexer's top-k recall (the share of HF's
-causal choices that flashdsa also picked). A choice that differs only between positions whose
+(``max|a - b| / max|b|``) of the hidden states (V4: the hyper-connection streams), and the
+indexer's top-k recall (the share of HF's causal choices that flashdsa also picked; V4: of the
+compressed entries, in its CSA layers). A choice that differs only between positions whose
 scores are exactly tied is a *tie swap*: it counts as agreement in the recall, and since it
 legitimately changes what that token attends to, reference mode compares hidden states and
 logits on the tokens before the first tie swap. Then the final logits: cosine, relative error,
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from flashdsa.models.batch import contiguous_block_tables, step_metadata
-from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
+from flashdsa.errors import ArgumentError
 from flashdsa.models.loader import read_tensors
 from flashdsa.runtime.model_runner import ModelRunner
 
@@ -39,13 +40,13 @@ TIE_TOL = 1e-5  # scores within TIE_TOL * max|row| of the k-th best count as tie
 
 @dataclass
 class Run:
-    """One model's outputs on T tokens: per-layer hidden states [T, hidden], top-k positions
-    [T, k] (-1 padded), the indexer scores [T, T] where the model exposes them (reference mode),
-    and logits [T, vocab]."""
+    """One model's outputs on T tokens: per-layer hidden states [T, ...]; per layer with an indexer
+    (by layer index), its top-k choice [T, k] (-1 padded) and the scores [T, T] it chose from where
+    the model exposes them (V3.2 reference mode); logits [T, vocab]."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
-    topk: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor] = field(default_factory=list)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: torch.Tensor | None = None
 
 
@@ -53,7 +54,7 @@ class Run:
 class LayerReport:
     cosine: float
     rel_err: float
-    recall: float
+    recall: float | None  # None: the layer has no indexer (V4 sliding-window and HCA layers)
     tie_swaps: int  # tokens whose choice differs from HF's only among exactly tied scores (reference)
 
 
@@ -74,7 +75,7 @@ class Report:
                 bad.append(f"layer {i}: max rel err {r.rel_err:.2e} > {t['layer_rel_err']:.0e}")
             if r.cosine < t["layer_cosine"]:
                 bad.append(f"layer {i}: cosine {r.cosine:.6f} < {t['layer_cosine']}")
-            if r.recall < t["recall"]:
+            if r.recall is not None and r.recall < t["recall"]:
                 bad.append(f"layer {i}: top-k recall {r.recall:.4f} < {t['recall']}")
         if self.logits_cosine < t["logits_cosine"]:
             bad.append(f"logits cosine {self.logits_cosine:.6f} < {t['logits_cosine']}")
@@ -92,6 +93,8 @@ def load_hf_reference(path: Path, device: str | torch.device):
     raw = json.loads((path / "config.json").read_text())
     options = dict(dtype=torch.float32, attn_implementation="eager",
                    num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]))
+    if raw.get("model_type") == "deepseek_v4" and "quantization_config" in raw:
+        raise ArgumentError("model", "check compares DeepSeek-V4 checkpoints in bf16 only for now; this one is FP8")
     if "quantization_config" not in raw:
         return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,23 +105,31 @@ def load_hf_reference(path: Path, device: str | torch.device):
     return model.to(device)
 
 
-def _record(run: Run, key: str):
+def _record(run: Run, key: str, layer: int = -1):
     def hook(module, inputs, output):
+        out = (output[0] if isinstance(output, tuple) else output).squeeze(0)
         if key == "scores":  # the logits the top-k chose from (not seen when a fused top-k runs)
-            run.scores.append(inputs[0].float())
+            run.scores[layer] = inputs[0].float()
+        elif key == "topk":
+            run.topk[layer] = out
         else:
-            out = (output[0] if isinstance(output, tuple) else output).squeeze(0)
-            getattr(run, key).append(out.float() if key == "hidden" else out)
+            run.hidden.append(out.float())
     return hook
+
+
+def _hooks(model: torch.nn.Module, suffix: str, run: Run, key: str) -> list:
+    """Hooks recording ``key`` from the main layers' modules whose names end with ``suffix``."""
+    return [m.register_forward_hook(_record(run, key, int(name.split(".")[2]))) for name, m in model.named_modules()
+            if name.startswith("model.layers.") and name.endswith(suffix)]
 
 
 @torch.inference_mode()
 def run_hf(hf, ids: torch.Tensor) -> Run:
     run = Run()
     handles = [layer.register_forward_hook(_record(run, "hidden")) for layer in hf.model.layers]
-    handles += [layer.self_attn.indexer.register_forward_hook(_record(run, "topk")) for layer in hf.model.layers]
+    handles += _hooks(hf, ".indexer", run, "topk")
     try:
-        run.logits = hf(ids[None]).logits[0].float()
+        run.logits = hf(ids[None], use_cache=False).logits[0].float()
     finally:
         for h in handles:
             h.remove()
@@ -126,12 +137,13 @@ def run_hf(hf, ids: torch.Tensor) -> Run:
 
 
 @torch.inference_mode()
-def run_flashdsa(model: DeepseekV32ForCausalLM, ids: torch.Tensor) -> Run:
+def run_flashdsa(model: torch.nn.Module, ids: torch.Tensor) -> Run:
+    """Our model (V3.2 or V4) on ``ids`` as one prefill through a runner; V4 records no scores, so
+    its reference mode recognises no tie swaps."""
     run = Run()
-    layers = model.model.layers
-    handles = [layer.register_forward_hook(_record(run, "hidden")) for layer in layers]
-    handles += [layer.self_attn.indexer.register_forward_hook(_record(run, "topk")) for layer in layers]
-    handles += [layer.self_attn.indexer.topk.register_forward_hook(_record(run, "scores")) for layer in layers]
+    handles = [layer.register_forward_hook(_record(run, "hidden")) for layer in model.model.layers]
+    handles += _hooks(model, "self_attn.indexer", run, "topk") + _hooks(model, "indexer.choice", run, "topk")
+    handles += _hooks(model, "indexer.topk", run, "scores")
     table = contiguous_block_tables([len(ids)])
     try:  # through a runner, so that under tensor parallelism every rank runs the step
         runner = ModelRunner(model, int(table.max()) + 1, ids.device)
@@ -172,8 +184,8 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(hf: Run, ours: Run, mode: str = "reference") -> Report:
     """Compare the runs; in reference mode only the tokens before the first tie swap count."""
-    scores = ours.scores if len(ours.scores) == len(ours.topk) else [None] * len(ours.topk)
-    agreement = [_topk_agreement(h.cpu(), o.cpu(), s) for h, o, s in zip(hf.topk, ours.topk, scores)]
+    agreement = [_topk_agreement(hf.topk[i].cpu(), ours.topk[i].cpu(), ours.scores.get(i)) if i in hf.topk
+                 else (None, []) for i in range(len(hf.hidden))]
     tie_rows = [t for _, rows in agreement for t in rows] if mode == "reference" else []
     rows = min(tie_rows, default=len(hf.logits))
     if tie_rows:
@@ -190,7 +202,8 @@ def compare(hf: Run, ours: Run, mode: str = "reference") -> Report:
 def format_report(report: Report) -> str:
     lines = [f"{'layer':>5}  {'cosine':>10}  {'max rel err':>11}  {'top-k recall':>12}  {'tie swaps':>9}"]
     for i, r in enumerate(report.layers):
-        lines.append(f"{i:>5}  {r.cosine:>10.7f}  {r.rel_err:>11.3e}  {r.recall:>12.4f}  {r.tie_swaps:>9}")
+        recall = "-" if r.recall is None else f"{r.recall:.4f}"
+        lines.append(f"{i:>5}  {r.cosine:>10.7f}  {r.rel_err:>11.3e}  {recall:>12}  {r.tie_swaps:>9}")
     lines.append(f"logits: cosine {report.logits_cosine:.7f}, max rel err {report.logits_rel_err:.3e}, "
                  f"greedy agreement {report.greedy:.4f} over {report.rows}/{report.tokens} tokens")
     return "\n".join(lines)

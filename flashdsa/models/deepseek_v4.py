@@ -67,15 +67,11 @@ class DecoderLayer(nn.Module):
         hc = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
 
-    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, state: AttentionState,
-                ropes: dict[str, RopeTable]) -> torch.Tensor:
-        """``h: [S, hc_mult, hidden]`` -> the same shape."""
-        rope = ropes["compress" if self.compressed else "main"]
-        return self.run(h, input_ids, lambda x: self.self_attn(x, positions, state, rope, ropes["compress"]))
-
-    def run(self, h: torch.Tensor, input_ids: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]):
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor,
+                attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The layer around its attention, ``attention: [T, hidden] -> [T, hidden]`` (normed input to
-        output): hyper-connections, norms and MoE. ``h: [T, hc_mult, hidden]`` -> the same shape."""
+        output, over one sequence's cache or the engine's pools): hyper-connections, norms and MoE.
+        ``h: [T, hc_mult, hidden]`` -> the same shape."""
         x, post, comb = self.attn_hc(h)
         y = attention(self.input_layernorm(x))
         h = HyperConnection.expand(y, h, post, comb)
@@ -174,9 +170,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer, cache in zip(self.model.layers, caches.layers):
-            h = layer.run(h, input_ids, lambda y: paged_attention(layer.self_attn, y, plan, cache, self.ropes))
+            h = layer(h, input_ids, lambda y: paged_attention(layer.self_attn, y, plan, cache, self.ropes))
         h = h[meta.logits_indices]
         return self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+
+    def _sequence_attention(self, layer: DecoderLayer, positions: torch.Tensor, state: AttentionState):
+        """``layer``'s attention over one sequence's ``state`` at ``positions``, as a function of its input."""
+        rope = self.ropes["compress" if layer.compressed else "main"]
+        return lambda x: layer.self_attn(x, positions, state, rope, self.ropes["compress"])
 
     @torch.no_grad()
     def forward_sequence(self, input_ids: torch.Tensor, cache: V4Cache | None = None,
@@ -193,7 +194,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         h = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         hidden = [] if output_hidden_states else None
         for layer, state in zip(self.model.layers, cache.layers):
-            h = layer(h, input_ids, positions, state, self.ropes)
+            h = layer(h, input_ids, self._sequence_attention(layer, positions, state))
             if hidden is not None:
                 hidden.append(h)
         cache.length += input_ids.shape[0]
@@ -208,7 +209,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         layer = self.mtp[depth]
         positions = self._positions(cache.mtp_length, next_ids.shape[0])
         h = layer.combine(self.model.embed_tokens(next_ids), streams)
-        h = layer(h, next_ids, positions, cache.mtp[depth], self.ropes)
+        h = layer(h, next_ids, self._sequence_attention(layer, positions, cache.mtp[depth]))
         cache.mtp_length += next_ids.shape[0]
         return self.lm_head(layer.norm(layer.hc_head(h))).float()
 

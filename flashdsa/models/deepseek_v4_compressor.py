@@ -100,6 +100,14 @@ def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 
+class EntryChoice(nn.Module):
+    """The identity on the chosen entry ids ``[S, k]``: a module so that a forward hook (the
+    layerwise check) sees each CSA layer's choice, whichever path made it."""
+
+    def forward(self, picked: torch.Tensor) -> torch.Tensor:
+        return picked
+
+
 class Indexer(Compressor):
     """Lightning indexer: an overlapping compressor of its own at ``index_head_dim`` gives keys ``K``;
     the score of entry s for query t is ``sum_h w[t,h] * relu(q[t,h] . K[s]) / sqrt(index_head_dim)``,
@@ -111,6 +119,7 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(hidden, heads, bias=False)
+        self.choice = EntryChoice()
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, state: CompressorState,
                cos_sin) -> torch.Tensor:
@@ -120,7 +129,7 @@ class Indexer(Compressor):
         q = self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim)
         q = rope_tail(q, *cos_sin(positions))
         weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [S, heads]
-        return select_topk(self.score(q, keys, weights), visible_entries(positions, self.ratio), self.topk)
+        return self.choice(select_topk(self.score(q, keys, weights), visible_entries(positions, self.ratio), self.topk))
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """fp32 scores ``[S, N]`` of queries ``q: [S, heads, head_dim]`` (RoPE'd) against ``keys: [N,

@@ -65,7 +65,8 @@ class StepPlan:
         positions, seq_ids, qsl = meta.positions, meta.seq_ids, meta.query_start_loc.long()
         ends = meta.context_lens.long()
         starts = ends - (qsl[1:] - qsl[:-1])
-        slots = meta.state_slots
+        slots = torch.arange(len(meta.query_lens), device=positions.device) if meta.state_slots is None \
+            else meta.state_slots
         before = window - 1
         old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
         ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
@@ -182,10 +183,10 @@ def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, 
         lengths = [n // ratio for n in meta.context_lens_host]
         keys = KeyRanges((meta.context_lens // ratio).int(), tuple(lengths), visible.int(),
                          meta.max_context_len // ratio, meta.query_lens, meta.block_tables, paged_queries=1)
-        return fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long()
+        return indexer.choice(fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long())
     out = torch.full((x.shape[0], k), -1, dtype=torch.int64, device=x.device)
     for b, (first, end, length) in enumerate(meta.sequence_ranges()):
         keys = gather_rows(pool, meta.block_tables[b], length // ratio)
         picked = select_topk(indexer.score(q[first:end], keys, weights[first:end]), visible[first:end], k)
         out[first:end, :picked.shape[1]] = picked
-    return out
+    return indexer.choice(out)

@@ -24,6 +24,7 @@ from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.errors import ArgumentError, blame
 from flashdsa.models.caches import MODES
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v4_config import DeepseekV4Config, model_type
 from flashdsa.runtime.parallel.shard import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 LOAD_ERRORS = (ValueError, OSError, SafetensorError)  # what a damaged checkpoint raises while loading
+V4 = "deepseek_v4"
+ModelConfig = Union[DeepseekV32Config, DeepseekV4Config]
 
 
 def default_device() -> torch.device:
@@ -113,9 +116,9 @@ def _from_hub(repo_id: str) -> Path:
         raise ArgumentError("model", f"cannot download {repo_id} from the Hugging Face Hub: {exc}") from exc
 
 
-def read_checkpoint(path: Path) -> DeepseekV32Config:
-    """The config of the checkpoint directory ``path`` once it is seen to hold a DeepSeek-V3.2
-    model: a valid config.json, weight files and a tokenizer."""
+def read_checkpoint(path: Path) -> ModelConfig:
+    """The config of the checkpoint directory ``path`` once it is seen to hold a DeepSeek-V3.2 or
+    DeepSeek-V4 model (told apart by ``model_type``): a valid config.json, weight files and a tokenizer."""
     from flashdsa.models.loader import checkpoint_files
 
     if not any(path.iterdir()):
@@ -131,24 +134,43 @@ def read_checkpoint(path: Path) -> DeepseekV32Config:
     with blame("model", (ValueError, TypeError)):
         if not isinstance(raw, dict):
             raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
-        config = DeepseekV32Config.from_dict(raw)
+        config = (DeepseekV4Config if raw.get("model_type") == V4 else DeepseekV32Config).from_dict(raw)
         checkpoint_files(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ArgumentError("model", f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     return config
 
 
-def check_mode(config: DeepseekV32Config, mode: str, quantization: Optional[str] = None) -> None:
+def is_v4(config: ModelConfig) -> bool:
+    return isinstance(config, DeepseekV4Config)
+
+
+def check_mode(config: ModelConfig, mode: str, quantization: Optional[str] = None) -> None:
     """ArgumentError naming ``mode`` (or ``quantization``) unless the model can run that way (the
     model's own rule, checked on the meta device: nothing is allocated)."""
+    from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
     from flashdsa.models.deepseek_v32 import QUANTIZATIONS, DeepseekV32ForCausalLM
 
     if mode not in MODES:
         raise ArgumentError("mode", f"expected one of {', '.join(MODES)}, got {mode!r}")
     if quantization not in QUANTIZATIONS:
         raise ArgumentError("quantization", f"expected one of {QUANTIZATIONS}, got {quantization!r}")
+    v4 = is_v4(config)
+    if v4 and quantization is not None:
+        raise ArgumentError("quantization", "DeepSeek-V4 checkpoints run with their FP8 weights dequantized at "
+                                            "load for now: leave quantization unset")
     with blame("mode"), torch.device("meta"):
-        DeepseekV32ForCausalLM(config, mode)
+        DeepseekV4ForCausalLM(config, mode=mode) if v4 else DeepseekV32ForCausalLM(config, mode)
+
+
+def check_v4_features(parallel: ParallelConfig, mtp: bool) -> None:
+    """ArgumentError for what the DeepSeek-V4 engine path does not do yet: several GPUs, speculative decoding."""
+    if parallel.tensor_parallel_size > 1 or parallel.enable_expert_parallel:
+        raise ArgumentError("tensor_parallel_size", "DeepSeek-V4 runs on one GPU for now: use tensor_parallel_size 1 "
+                                                    "without expert parallelism")
+    if mtp:
+        raise ArgumentError("speculative_tokens", "speculative decoding with DeepSeek-V4's MTP layer is not "
+                                                  "supported yet: use speculative_tokens 0")
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -178,9 +200,14 @@ def load_weights(path: Path, device: torch.device, mode: str, quantization: Opti
     A split the model or the GPUs cannot take is an ArgumentError naming ``tensor_parallel_size``,
     caught before any weight is read; missing, mis-shaped or damaged tensors name ``model``.
     ``mtp`` also loads the multi-token-prediction layer (speculative decoding)."""
+    from flashdsa.models.deepseek_v4_loader import load_v4_model
     from flashdsa.models.loader import load_model
     from flashdsa.runtime.parallel.launcher import check_parallel, load
 
+    if model_type(path) == V4:
+        check_v4_features(parallel or ParallelConfig(), mtp and parallel is not None)
+        with _weight_files_of(path), blame("model"):
+            return load_v4_model(path, device, mtp=mtp, mode=mode)
     if parallel is None:
         with _weight_files_of(path), blame("model"):
             return load_model(path, device, mode, quantization, mtp=mtp)

@@ -20,7 +20,7 @@ import torch
 from flashdsa.runtime.block_manager import BlockManager
 from flashdsa.runtime.checks import check
 from flashdsa.runtime.detokenizer import Detokenizer
-from flashdsa.runtime.model_runner import ModelRunner, StepLogits
+from flashdsa.runtime.model_runner import ModelRunner, StepLogits, num_state_slots
 from flashdsa.runtime.sampler import sample_each, token_logprobs
 from flashdsa.runtime.speculative import mtp_inputs, plain_greedy, sample_step, verify_greedy_on_device
 from flashdsa.runtime.sampling_params import SamplingParams
@@ -69,6 +69,8 @@ def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.
         return min(ceiling, 1024)
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1 - config.cache_fraction) * total
+    if num_state_slots(model, config.max_num_seqs):
+        budget -= config.max_num_seqs * model.state_bytes_per_slot()
     return max(1, min(ceiling, int(budget // model.cache_bytes_per_block())))
 
 
@@ -88,7 +90,12 @@ class LLMEngine:
                            self.num_blocks, self.num_blocks * BLOCK_SIZE)
             max_len = self.num_blocks * BLOCK_SIZE
         self.max_model_len = max_len
-        self.block_manager = BlockManager(self.num_blocks, self.config.enable_prefix_caching)
+        prefix_caching = self.config.enable_prefix_caching and getattr(model, "supports_prefix_caching", True)
+        if self.config.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching is off: %s keeps per-sequence state that cached blocks cannot restore",
+                        type(model).__name__)
+        self.block_manager = BlockManager(self.num_blocks, prefix_caching,
+                                          num_state_slots(model, self.config.max_num_seqs))
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.block_manager
         )

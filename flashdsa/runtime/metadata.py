@@ -31,7 +31,7 @@ class BatchMetadata:
     max_context_len: host int >= every context length: the width of the paged indexer's scores
         (a CUDA graph fixes it at capture, so it may exceed the batch's longest context).
     state_slots: [B] int64, each sequence's state slot (``BlockManager``; models with
-        per-sequence state only), or None.
+        per-sequence state only), or None: sequence b in slot b.
     """
 
     positions: torch.Tensor

@@ -65,7 +65,8 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
 
 class ModelRunner:
     """Owns the model and its paged caches (MLA latent + indexer keys, one block table; the MTP
-    layer's pools come last and share the block table, so they live and die with the blocks)."""
+    layer's pools come last and share the block table, so they live and die with the blocks), and
+    the per-sequence state of models that keep one (``num_state_slots``)."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, device: torch.device, max_num_seqs: int = 1,
                  max_model_len: int = 0, enforce_eager: bool = True, speculative: bool = False) -> None:
@@ -80,9 +81,11 @@ class ModelRunner:
         self.leader = shard if shard is not None and shard.size > 1 and shard.rank == 0 else None
         if self.leader is not None:
             steps.send(self.leader, steps.RunnerSpec(num_blocks, max_num_seqs, max_model_len, enforce_eager))
-        self.caches = model.allocate_caches(num_blocks)
+        stateful = num_state_slots(model, max_num_seqs)
+        self.caches = model.allocate_caches(num_blocks, stateful) if stateful else model.allocate_caches(num_blocks)
         self.graphs = None
-        if not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production":
+        if (not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production"
+                and getattr(model, "supports_cuda_graphs", True)):
             self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device, speculative)
             self.graphs.capture()
 
@@ -130,6 +133,12 @@ class ModelRunner:
         meta = BatchMetadata(**{**vars(meta), "logits_indices": rows.to(self.device)})
         with trusted_values():
             return self.model.mtp_forward(next_ids.to(self.device), hidden, meta, self.caches)
+
+
+def num_state_slots(model: torch.nn.Module, max_num_seqs: int) -> int:
+    """State slots the model needs (one per running sequence: DeepSeek-V4's window and compressor
+    states), 0 for a model whose paged caches hold everything (V3.2)."""
+    return max_num_seqs if hasattr(model, "state_bytes_per_slot") else 0
 
 
 def _is_decode(chunks: list[ScheduledChunk], speculative: bool = False) -> bool:

@@ -10,7 +10,13 @@ from flashdsa.check.layerwise import Run, _topk_agreement, compare
 from flashdsa.cli import main
 from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.config import DeepseekV32Config
+from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 from flashdsa.models.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def v4_tiny(tmp_path_factory):
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4check"), seed=2)
 
 
 def test_check_passes_in_reference_mode(shrunk, capsys):
@@ -31,6 +37,16 @@ def test_the_shipped_default_model_passes_check(capsys):
     assert "PASS (reference" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["reference", "production"])
+def test_check_passes_on_a_deepseek_v4_checkpoint(v4_tiny, mode, capsys):
+    """Every layer reported (sliding, CSA, HCA, CSA), recall only where an indexer chooses."""
+    assert main(["check", "--model", str(v4_tiny), "--mode", mode, "--tokens", "260"]) == 0
+    out = capsys.readouterr().out
+    assert f"PASS ({mode}" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[3] for row in rows] != ["-"] * 4 and [row[3] for row in rows][::2] == ["-", "-"]
+
+
 def test_written_configs_give_transformers_one_kv_head_per_query_head(shrunk):
     """transformers views MLA as multi-head attention: without num_key_value_heads its eager
     attention breaks (the shipped default model's config lacked it)."""
@@ -40,7 +56,7 @@ def test_written_configs_give_transformers_one_kv_head_per_query_head(shrunk):
 
 
 def _run(hidden, topk, scores, logits):
-    return Run(hidden=[hidden], topk=[topk], scores=[scores], logits=logits)
+    return Run(hidden=[hidden], topk={0: topk}, scores={0: scores}, logits=logits)
 
 
 def test_swap_between_exactly_tied_scores_is_a_tie_not_a_miss():

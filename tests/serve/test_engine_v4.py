@@ -1,0 +1,85 @@
+"""DeepSeek-V4 through the engine: continuous batching, chunked prefill, preemption and state-slot
+reuse give the tokens of the one-sequence reference path; what V4 does not support yet is refused."""
+
+import pytest
+import torch
+
+from flashdsa.errors import ArgumentError
+from flashdsa.models.deepseek_v4_loader import load_v4_model
+from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
+from flashdsa.runtime.llm import LLM
+from flashdsa.runtime.sampling_params import SamplingParams
+
+PROMPT_LENGTHS = (1, 5, 120, 200, 60)  # the third and last cross a block boundary as they decode
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4engine"), seed=4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(2, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint, prompts):
+    model = load_v4_model(checkpoint)
+    return [model.generate_greedy(torch.tensor(p), 24).tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("options", [
+    dict(max_num_seqs=2, max_num_batched_tokens=48),  # queueing, chunked prefill, decode mixed in
+    dict(max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8),  # too few blocks: preemption
+])
+def test_greedy_tokens_equal_the_one_sequence_path(checkpoint, prompts, expected, options):
+    llm = LLM(str(checkpoint), device="cpu", mode="reference", **options)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    engine = llm.engine
+    assert not engine.block_manager.enable_prefix_caching  # V4's per-sequence state cannot be restored
+    assert engine.block_manager.num_used_blocks == 0
+    assert sorted(engine.block_manager.free_state_slots) == list(range(options["max_num_seqs"]))
+    if "num_blocks" in options:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_production_mode_generates_on_the_cpu(checkpoint, prompts):
+    llm = LLM(str(checkpoint), device="cpu", max_num_seqs=3, max_num_batched_tokens=100)
+    results = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [len(r.outputs[0].token_ids) for r in results] == [8] * len(prompts)
+
+
+@pytest.mark.parametrize("options, argument", [
+    (dict(speculative_tokens=1), "speculative_tokens"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(quantization="fp8"), "quantization"),
+])
+def test_what_v4_does_not_do_yet_is_refused_by_name(checkpoint, options, argument):
+    with pytest.raises(ArgumentError, match=argument):
+        LLM(str(checkpoint), device="cpu", **options)
+
+
+def test_the_server_serves_v4_completions_and_chat(checkpoint):
+    import openai
+    from server_thread import ServerThread, wait_until_idle
+    from transformers import AutoTokenizer
+
+    from flashdsa.runtime.engine import EngineConfig
+    from flashdsa.serve.command import make_app
+
+    model, tokenizer = load_v4_model(checkpoint), AutoTokenizer.from_pretrained(str(checkpoint))
+    app = make_app(model, tokenizer, "v4", EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=16))
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        full = client.completions.create(model="v4", prompt="The quick brown fox " * 20, temperature=0, max_tokens=5)
+        assert full.usage.completion_tokens == 5
+        chunks = list(client.chat.completions.create(model="v4", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        wait_until_idle(server)
+        manager = server.engine.block_manager
+        assert manager.num_used_blocks == 0 and len(manager.free_state_slots) == 4
