@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdsa.models.deepseek_v4_config import CSA, DeepseekV4Config
+from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES
 from flashdsa.runtime.cache.layout_v4 import V4_TOKEN_BYTES
 from flashdsa.runtime.cache.pool import indexer_pool, v4_pool
@@ -114,9 +114,3 @@ def bytes_per_slot(config: DeepseekV4Config, production: bool) -> int:
             total += 2 * FP32 * rows * c.head_dim * (1 + overlap)  # kv and score
             total += 2 * FP32 * rows * 2 * c.index_head_dim if ratio == c.csa_ratio else 0
     return total
-
-
-def layer_kind(config: DeepseekV4Config, layer: int) -> str:
-    """"sliding", "csa" or "hca" (as ``layout_v4.v4_bytes_per_token`` names them)."""
-    ratio = config.compress_ratios[layer]
-    return "sliding" if not ratio else "csa" if config.layer_type(layer) == CSA else "hca"

@@ -4,7 +4,13 @@ one-sequence reference path, which matches transformers (test_deepseek_v4.py).""
 import pytest
 import torch
 
-from flashdsa.models.deepseek_v4_caches import bytes_per_block, entries_per_block, entry_slots
+from flashdsa.models.deepseek_v4_caches import (
+    allocate_v4_caches,
+    bytes_per_block,
+    bytes_per_slot,
+    entries_per_block,
+    entry_slots,
+)
 from flashdsa.models.deepseek_v4_loader import load_v4_model
 from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 from flashdsa.runtime.metadata import BatchMetadata
@@ -91,10 +97,16 @@ def test_entry_slots_follow_the_block_of_each_window_end():
         entries_per_block(48)
 
 
-def test_cache_bytes_grow_at_each_layer_types_rate(reference):
+@pytest.mark.parametrize("production", [False, True])
+def test_cache_bytes_grow_at_each_layer_types_rate_and_are_what_is_allocated(reference, production):
     config = reference.config  # layers: sliding, CSA, HCA, CSA
-    assert bytes_per_block(config, production=True) == 2 * 16 * (584 + 132) + 584
-    assert reference.state_bytes_per_slot() > 0
+    if production:
+        assert bytes_per_block(config, production) == 2 * 16 * (584 + 132) + 584
+    caches = allocate_v4_caches(config, production, num_blocks=3, num_slots=2, device="cpu")
+    tensors = [t for c in caches.layers for t in (c.window, c.entries, c.index, *(c.state or ()), *(c.index_state or ()))
+               if t is not None]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert allocated == 3 * bytes_per_block(config, production) + 2 * bytes_per_slot(config, production)
 
 
 def test_production_mode_needs_v4_attention_widths(tmp_path):
