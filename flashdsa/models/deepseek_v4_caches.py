@@ -46,6 +46,8 @@ class V4LayerCache:
 class V4Caches:
     layers: list[V4LayerCache]
 
+    block_size = BLOCK_SIZE  # tokens a block of the block table covers
+
     @property
     def num_blocks(self) -> int:
         paged = [c.entries for c in self.layers if c.entries is not None]

@@ -7,9 +7,11 @@ kernel launches. A step of B sequences replays the smallest bucket >= B; the row
 padding that writes no cache slot (slot -1) and reads block 0 (their outputs are dropped).
 
 Inputs live in one static int64 buffer, ``[ids | positions | slots | next_ids | context_lens |
-rows | block table]``, the per-token fields ``max_batch * q`` long (q tokens per sequence: 1, or 2
-with speculative decoding), the per-sequence ones ``max_batch`` and the table ``max_batch x
-max_blocks``, so the copy of a step is one prefix of it. The graph itself unpacks the buffer into
+rows | state_slots | block table]``, the per-token fields ``max_batch * q`` long (q tokens per
+sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`` and the table
+``max_batch x max_blocks``, so the copy of a step is one prefix of it. Padding rows of a model with
+per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the runner allocates
+beyond the block manager's. The graph itself unpacks the buffer into
 the model's ``BatchMetadata``. The paged indexer scores ``max_model_len`` columns (fixed at
 capture); each row's top-k scans only its own context.
 """
@@ -50,7 +52,7 @@ class DecodeGraphs:
         mq = max_batch * self.q
         # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table
         sizes = {"ids": mq, "positions": mq, "slots": mq, "next_ids": mq, "context_lens": max_batch,
-                 "rows": max_batch}
+                 "rows": max_batch, "state_slots": max_batch}
         self.offsets, offset = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = offset
@@ -103,8 +105,9 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= batch)
         s, n = self.staging, batch * self.q
         for name, field in (("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
-                            ("context_lens", meta.context_lens)):
-            s[self.offsets[name] : self.offsets[name] + field.numel()] = field
+                            ("context_lens", meta.context_lens), ("state_slots", meta.state_slots)):
+            if field is not None:
+                s[self.offsets[name] : self.offsets[name] + field.numel()] = field
         table = s[self.table_offset : self.table_offset + bucket * self.max_blocks].view(bucket, self.max_blocks)
         table[:batch].fill_(-1)
         table[:batch, : meta.block_tables.shape[1]] = meta.block_tables
@@ -142,6 +145,7 @@ class DecodeGraphs:
             field.copy_(torch.arange(q).repeat(last - first) if value is None else torch.full_like(field, value))
         s[self.offsets["context_lens"] + first : self.offsets["context_lens"] + last] = q
         s[self.offsets["rows"] + first : self.offsets["rows"] + last] = torch.arange(first, last) * q
+        s[self.offsets["state_slots"] + first : self.offsets["state_slots"] + last] = self.max_batch
         s[self.table_offset + first * self.max_blocks : self.table_offset + last * self.max_blocks] = 0
 
     def input_ids(self, length: int) -> torch.Tensor:
@@ -162,7 +166,7 @@ class DecodeGraphs:
             context_lens=self._field("context_lens", batch).to(torch.int32), slot_mapping=self._field("slots", n),
             block_tables=table.to(torch.int32), logits_indices=torch.arange(n, device=self.device),
             query_lens=(q,) * batch, context_lens_host=(self.max_model_len,) * batch,
-            max_context_len=self.max_model_len,
+            max_context_len=self.max_model_len, state_slots=self._field("state_slots", batch),
         )
 
     def _forward(self, batch: int):

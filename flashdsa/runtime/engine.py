@@ -70,7 +70,7 @@ def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1 - config.cache_fraction) * total
     if num_state_slots(model, config.max_num_seqs):
-        budget -= config.max_num_seqs * model.state_bytes_per_slot()
+        budget -= (config.max_num_seqs + 1) * model.state_bytes_per_slot()  # + 1: see ModelRunner
     return max(1, min(ceiling, int(budget // model.cache_bytes_per_block())))
 
 

@@ -81,8 +81,8 @@ class ModelRunner:
         self.leader = shard if shard is not None and shard.size > 1 and shard.rank == 0 else None
         if self.leader is not None:
             steps.send(self.leader, steps.RunnerSpec(num_blocks, max_num_seqs, max_model_len, enforce_eager))
-        stateful = num_state_slots(model, max_num_seqs)
-        self.caches = model.allocate_caches(num_blocks, stateful) if stateful else model.allocate_caches(num_blocks)
+        stateful = num_state_slots(model, max_num_seqs)  # + 1: the CUDA graphs' padding rows write into the last
+        self.caches = model.allocate_caches(num_blocks, stateful + 1) if stateful else model.allocate_caches(num_blocks)
         self.graphs = None
         if (not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production"
                 and getattr(model, "supports_cuda_graphs", True)):
