@@ -3,10 +3,11 @@
 The equations are ``DeepseekV4Attention``'s (its projections, compressors and indexer modules are
 used as they are); what changes is where the rows come from (``deepseek_v4_caches``):
 
-* window: each token attends to positions ``(p - W, p]``. Rows before its sequence's first token of
-  the step come from the sequence's ring (W - 1 of them, gathered into the step's window pool
-  before any is overwritten); the step's own rows follow them. After the attention the rows that
-  are still in the window at the end of the step go into the ring.
+* window: each token attends to positions ``(p - W, p]``. In a decode step (one token per
+  sequence) the token's row goes into its ring first and the ring is the window pool. Otherwise
+  rows before a sequence's first token of the step come from its ring (W - 1 of them, gathered
+  into the step's window pool before any is overwritten), the step's own rows follow them, and
+  after the attention the rows still in the window at the end of the step go into the ring.
 * compressors: the step's tokens update each sequence's state slot (reset where a sequence starts
   at position 0); every window they close becomes an entry (norm + RoPE at the window's start)
   written to the paged pool. A decode step (one token per sequence) updates all states in one
@@ -46,9 +47,9 @@ class StepPlan:
     starts: [B] first position each sequence runs; slots: [B] their state slots; tables: [T, max_blocks]
     each token's block table; ring_old: [B * (W - 1)] ring rows (``slot * W + position % W``) of the
     window rows before each sequence's step, -1 before position 0; window: [T, W] each token's
-    window rows in the step's pool (the W - 1 gathered rows per sequence, then the step's tokens),
-    -1 before position 0; ring_new: [T] the ring row each token's row goes to, -1 for rows out of
-    the window by the step's end."""
+    window rows in the step's pool (decode: the ring; else the W - 1 gathered rows per sequence,
+    then the step's tokens), -1 before position 0; ring_new: [T] the ring row each token's row goes
+    to, -1 for rows out of the window by the step's end."""
 
     meta: BatchMetadata
     starts: torch.Tensor
@@ -74,15 +75,21 @@ class StepPlan:
         start = starts[seq_ids, None]
         from_ring = seq_ids[:, None] * before + wanted - (start - before)
         from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
-        rows = torch.where(wanted < start, from_ring, from_step)
+        decode = max(meta.query_lens) == 1
+        rows = slots[seq_ids, None] * window + wanted % window if decode else torch.where(wanted < start, from_ring,
+                                                                                           from_step)
         keep = positions >= ends[seq_ids] - window
         ring_new = torch.where(keep, slots[seq_ids] * window + positions % window, -1)
         return cls(meta, starts, slots, meta.block_tables.long()[seq_ids], ring_old,
-                   torch.where(wanted >= 0, rows, -1), ring_new, max(meta.query_lens) == 1, production)
+                   torch.where(wanted >= 0, rows, -1), ring_new, decode, production)
 
     def window_pool(self, ring: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """The step's window rows: each sequence's W - 1 ring rows, then ``kv: [T, D]`` (reference:
-        ``[rows, D]`` float; production: a one-block MODEL1 pool)."""
+        """The step's window rows (reference: ``[rows, D]`` float; production: a MODEL1 pool): in a
+        decode step the ring, ``kv: [T, D]`` written into it; else each sequence's W - 1 ring rows,
+        then ``kv``."""
+        if self.decode:
+            store_v4_rows(ring, kv, self.ring_new)
+            return ring if self.production else ring.view(-1, ring.shape[-1])
         if not self.production:
             return torch.cat([ring.view(-1, ring.shape[-1])[self.ring_old.clamp_min(0)].to(kv.dtype), kv])
         old = self.ring_old.numel()
@@ -93,7 +100,9 @@ class StepPlan:
         return pool
 
     def store_window(self, ring: torch.Tensor, kv: torch.Tensor) -> None:
-        store_v4_rows(ring, kv, self.ring_new)
+        """After the attention: the rows still in the window go into the ring (a decode step's already did)."""
+        if not self.decode:
+            store_v4_rows(ring, kv, self.ring_new)
 
 
 def store_v4_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
