@@ -14,13 +14,12 @@ verifies each sequence's draft and the MTP layer drafts the next (``runtime/spec
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from flashdsa.runtime.block_manager import BlockManager
-from flashdsa.runtime.checks import check
+from flashdsa.runtime.engine_config import EngineConfig, plan_num_blocks
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits, num_state_slots
 from flashdsa.runtime.outputs import OutputProcessor
 from flashdsa.runtime.overlap import InFlightStep, NewTokens, launch_sampling, overlappable, token_fill
@@ -28,54 +27,10 @@ from flashdsa.runtime.sampler import sample_each, token_logprobs
 from flashdsa.runtime.speculative import Speculation
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from flashdsa.runtime.sequence import BLOCK_SIZE, RequestOutput, Sequence, TokenLogprobs
+from flashdsa.runtime.sequence import BLOCK_SIZE, RequestOutput, Sequence
 from flashdsa.runtime.structured import Grammars
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
-    num_blocks: Optional[int] = None  # default: cache_fraction of the device memory (CUDA)
-    cache_fraction: float = 0.9
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
-    speculative_tokens: int = 0  # 1: draft one token per step with the MTP layer (speculative decoding)
-    async_scheduling: Optional[bool] = None  # overlap the host's work with the GPU (runtime/overlap.py); None: on CUDA
-
-    def __post_init__(self) -> None:
-        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        check(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
-        check(self.num_blocks is None or self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
-        check(0 < self.cache_fraction <= 1, f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
-        check(self.speculative_tokens in (0, 1), f"speculative_tokens must be 0 or 1, got {self.speculative_tokens}")
-
-    def model_len(self, positions: int) -> int:
-        """Tokens a sequence may hold on a model of ``positions`` positions: max_model_len, by
-        default all of them. ValueError if max_model_len asks for more."""
-        check(self.max_model_len is None or self.max_model_len <= positions,
-              f"max_model_len {self.max_model_len} exceeds the model's {positions} positions "
-              f"(max_position_embeddings): pass at most {positions}")
-        return self.max_model_len or positions
-
-
-def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.device, max_model_len: int) -> int:
-    """Blocks for the caches: as configured, else a fraction of free device memory, never more
-    than the running sequences could fill."""
-    ceiling = config.max_num_seqs * -(-max_model_len // BLOCK_SIZE)
-    if config.num_blocks is not None:
-        return config.num_blocks
-    if device.type != "cuda":
-        return min(ceiling, 1024)
-    free, total = torch.cuda.mem_get_info(device)
-    budget = free - (1 - config.cache_fraction) * total
-    if num_state_slots(model, config.max_num_seqs):
-        budget -= config.max_num_seqs * model.state_bytes_per_slot()
-    return max(1, min(ceiling, int(budget // model.cache_bytes_per_block())))
 
 
 class LLMEngine:
@@ -107,7 +62,7 @@ class LLMEngine:
                                   self.config.enforce_eager, speculative=self.config.speculative_tokens > 0)
         self.speculation = Speculation(self.runner, max_len) if self.config.speculative_tokens else None
         self.grammars = Grammars(tokenizer, self.vocab_size)
-        self.outputs = OutputProcessor(tokenizer, self.scheduler, max_len)
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler, max_len)
         async_scheduling = self.config.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else async_scheduling
         self.in_flight: Optional[InFlightStep] = None  # the launched step whose tokens are not read yet
@@ -136,14 +91,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; ValueError if its prompt or length do not fit the model."""
-        if request_id in self.outputs:
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         seq = Sequence(request_id, list(prompt_token_ids), params, max_tokens, eos)
         if params.structured_outputs is not None:
             seq.matcher = self.grammars.matcher(params.structured_outputs)
-        self.outputs.add(seq)
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -151,7 +106,7 @@ class LLMEngine:
         """Drop a request wherever it is and free its blocks (unknown ids are ignored)."""
         if self.scheduler.abort(request_id) is not None:
             self.num_aborted += 1
-        self.outputs.forget(request_id)
+        self.output_processor.forget(request_id)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with an error (for a step that failed outside any request)."""
@@ -250,7 +205,7 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
             if chunk.samples and seq.max_tokens == 0:
                 seq.finish("length")
-                outputs.append(self.outputs.output(seq, [], "", []))
+                outputs.append(self.output_processor.output(seq, [], "", []))
             elif chunk.samples:
                 sampling.append((chunk, step_logits.sampling_row(i, chunk)))
         spec = self.speculation
@@ -266,7 +221,7 @@ class LLMEngine:
         if isinstance(result, Exception):
             return self._fail(seq, f"sampling failed: {result}")
         try:
-            return self.outputs.append_tokens(seq, *result)
+            return self.output_processor.append_tokens(seq, *result)
         except Exception as exc:
             logger.exception("request %s failed", seq.request_id)
             return self._fail(seq, str(exc))
@@ -298,7 +253,7 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         self.scheduler.abort(seq.request_id)
-        self.outputs.forget(seq.request_id)
+        self.output_processor.forget(seq.request_id)
         seq.finish("error")
         self.num_failed += 1
         return RequestOutput(seq.request_id, [], "", True, seq.num_prompt_tokens, seq.num_output_tokens,

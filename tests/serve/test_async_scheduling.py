@@ -4,7 +4,7 @@ token of a sequence that finished, and must give the synchronous engine's reques
 token, with no block left behind."""
 
 import pytest
-from fake_model import FakeModel, reference_greedy
+from fake_model import POISON, FailsOnPoison, FakeModel, reference_greedy
 
 from flashdsa.runtime import engine as engine_module
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
@@ -12,18 +12,6 @@ from flashdsa.runtime.llm import LLM
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import Scheduler
 from flashdsa.runtime.structured import StructuredOutputsParams
-
-POISON = 99
-
-
-class FailsOnPoison(FakeModel):
-    """Fails every forward whose input holds POISON (after the device fill: the overlapped path sees it too)."""
-
-    def forward(self, input_ids, meta, caches):
-        if (input_ids == POISON).any():
-            raise RuntimeError("poisoned input")
-        return super().forward(input_ids, meta, caches)
-
 
 def workload(tok):
     """(arrival step, request id, prompt, params): greedy and seeded sampling, logprobs, stop
