@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from flashdsa.arguments import add_model_arguments, float_in, int_in
+from flashdsa.arguments import add_model_arguments, add_step_arguments, float_in, int_in
 from flashdsa.errors import ArgumentError, blame
 from flashdsa.runtime.async_engine import AsyncLLM
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
