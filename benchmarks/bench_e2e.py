@@ -2,7 +2,8 @@
 
 Builds the V3.2-width random model with ``--layers`` layers (FP8 weights in the official
 checkpoint layout, written once to a temporary directory and loaded through the normal loader),
-then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-eager``) measures:
+then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-eager``, async
+scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-scheduling``) measures:
 
 - decode ms/step and tokens/s at each (batch, context), against the bytes-read bound: what one
   step must read once (every resident weight but the embedding table and the routed experts, the
@@ -13,7 +14,7 @@ then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-e
 - prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
   indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here).
 
-  python benchmarks/bench_e2e.py [--layers 4] [--output BENCHMARKS.md]
+  python benchmarks/bench_e2e.py [--layers 4] [--async-scheduling both] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ def _timed_phases(engine: LLMEngine) -> dict[str, float]:
     return totals
 
 
+ASYNC_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
+
+
 def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLMEngine:
     blocks = batch * -(-max_len // 64) + 8
     return LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=batch, max_num_batched_tokens=16384,
@@ -155,28 +159,37 @@ def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLME
 
 
 def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float,
-                 profile: bool = False) -> list[Row]:
-    engine = make_engine(model, tokenizer, batch, context + steps + 16, eager)
+                 modes: tuple[bool, ...] = (True,), profile: bool = False) -> list[Row]:
+    """One row per async-scheduling mode in ``modes``, timed in turn on the same prefilled batch
+    (the engine switches mode between steps: the first synchronous step reads the last overlapped one)."""
+    per_mode = steps + 8  # timed, profiled and settling steps
+    engine = make_engine(model, tokenizer, batch, context + per_mode * len(modes) + 16, eager)
     gen = torch.Generator().manual_seed(batch * context)
-    params = SamplingParams(max_tokens=steps + 9, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=per_mode * len(modes) + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), torch.randint(3, model.config.vocab_size, (context,), generator=gen).tolist(), params)
     started = set()
     while len(started) < batch:  # prefill (and the mixed steps of chunked prefill)
         started |= {o.request_id for o in engine.step()}
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context}" if profile else "")
     distinct = distinct_experts(engine)
-    ms = statistics.median(times) * 1e3
     bound_ms = step_bytes(model, batch, context, distinct) / bandwidth * 1e3
-    note = (f"{batch * 1e3 / ms:.0f} tok/s; {sum(distinct)} experts; GPU busy {busy:.0%}; {launches:.0f} launches, "
-            f"{syncs:.0f} syncs/step")
-    return [Row("decode step" + (" (eager)" if eager else ""), f"b={batch} ctx={context}", ms,
-                bound_ms / ms * 100, "% of bound", 60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}")]
+    rows = []
+    for overlapped in modes:
+        engine.async_scheduling = overlapped
+        engine.step()  # settle into the mode
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        mode = ("async" if overlapped else "sync") + (", eager" if eager else "")
+        busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context} {mode}" if profile else "")
+        ms = statistics.median(times) * 1e3
+        note = (f"{batch * 1e3 / ms:.0f} tok/s; {sum(distinct)} experts; GPU busy {busy:.0%}; {launches:.0f} launches, "
+                f"{syncs:.0f} syncs/step")
+        rows.append(Row(f"decode step ({mode})", f"b={batch} ctx={context}", ms, bound_ms / ms * 100, "% of bound",
+                        60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}"))
+    return rows
 
 
 def prefill_point(model, tokenizer, length: int, rate: float, profile: bool = False) -> Row:
@@ -203,6 +216,8 @@ def main() -> None:
     parser.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in DECODE_POINTS))
     parser.add_argument("--prefill", default=",".join(map(str, PREFILL_LENGTHS)))
     parser.add_argument("--profile", action="store_true", help="log each point's kernels and host phases")
+    parser.add_argument("--async-scheduling", choices=sorted(ASYNC_MODES), default="on",
+                        help="decode with the engine's async scheduling on, off, or both (compared on the same batch)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AutoTokenizer
@@ -218,8 +233,11 @@ def main() -> None:
     for point in filter(None, args.points.split(",")):
         batch, context = map(int, point.split("x"))
         for eager in (False, True) if args.enforce_eager else (False,):
-            rows += decode_point(model, tokenizer, batch, context, args.steps, eager, bandwidth, args.profile)
-            print(rows[-1], flush=True)
+            found = decode_point(model, tokenizer, batch, context, args.steps, eager, bandwidth,
+                                 ASYNC_MODES[args.async_scheduling], args.profile)
+            for row in found:
+                print(row, flush=True)
+            rows += found
     for length in filter(None, args.prefill.split(",")):
         rows.append(prefill_point(model, tokenizer, int(length), rate, args.profile))
         print(rows[-1], flush=True)

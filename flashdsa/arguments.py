@@ -83,3 +83,11 @@ def output_directory(text: str) -> Path:
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file; pass a directory")
     return path
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the engine runs a step: ``--enforce-eager`` and ``--async-scheduling`` /
+    ``--no-async-scheduling`` (default None: on CUDA, see runtime/overlap.py)."""
+    parser.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and launch each step while the GPU runs the one before (default: on with CUDA)")

@@ -12,10 +12,11 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
-from flashdsa.arguments import add_model_arguments, float_in, int_in
+from flashdsa.arguments import add_model_arguments, add_step_arguments, float_in, int_in
 from flashdsa.errors import ArgumentError, blame
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.llm import render_chat
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sample among the k best tokens (default 40; 0: off)")
     parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="sampling seed (default 0)")
     add_parallel_arguments(parser)
-    parser.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    add_step_arguments(parser)
     parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
                         help="1: draft a token per step with the model's MTP layer, verified by the model (default 0)")
     parser.add_argument("--verbose", action="store_true", help="also print the speculative acceptance rate")
@@ -50,13 +51,13 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def single_request_engine(model: torch.nn.Module, tokenizer, max_len: int, speculative_tokens: int = 0,
-                          enforce_eager: bool = False) -> LLMEngine:
+                          enforce_eager: bool = False, async_scheduling: Optional[bool] = None) -> LLMEngine:
     """An engine whose cache holds one sequence of ``max_len`` tokens (capped at the model's
     positions), rather than the serving default of as many blocks as memory allows."""
     max_len = min(max_len, model.config.max_position_embeddings)
     config = EngineConfig(max_num_seqs=1, max_model_len=max_len, num_blocks=-(-max_len // BLOCK_SIZE),
                           enable_prefix_caching=False, speculative_tokens=speculative_tokens,
-                          enforce_eager=enforce_eager)
+                          enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     return LLMEngine(model, tokenizer, config)
 
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise ArgumentError("--prompt", f"has {len(prompt)} tokens; the model takes 1 to {positions - 1} "
                                         f"(and {positions} with the output)")
     engine = single_request_engine(model, tokenizer, len(prompt) + args.max_tokens, args.speculative_tokens,
-                                   args.enforce_eager)
+                                   args.enforce_eager, args.async_scheduling)
 
     def write(text: str) -> None:
         sys.stdout.write(text)

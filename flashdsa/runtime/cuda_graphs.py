@@ -11,8 +11,11 @@ rows | state_slots | block table]``, the per-token fields ``max_batch * q`` long
 sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`` and the table
 ``max_batch x max_blocks``, so the copy of a step is one prefix of it. Padding rows of a model with
 per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the runner allocates
-beyond the block manager's. The graph itself unpacks the buffer into
-the model's ``BatchMetadata``. The paged indexer scores ``max_model_len`` columns (fixed at
+beyond the block manager's. The graph itself unpacks the buffer into the model's
+``BatchMetadata``. The host stages a step in one of two pinned buffers, in turn: with async
+scheduling it writes step n+1's inputs while step n's copy may still be queued, and the engine has
+waited for step n-1's tokens (queued after the copy from the other buffer) by then. The paged
+indexer scores ``max_model_len`` columns (fixed at
 capture); each row's top-k scans only its own context.
 """
 
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.transfer import TokenFill
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,8 @@ class DecodeGraphs:
             offset += size
         self.table_offset = offset
         size = self.table_offset + max_batch * self.max_blocks
-        self.staging = torch.zeros(size, dtype=torch.int64).pin_memory()
+        self.stagings = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.staging = self.stagings[0]  # the buffer of the latest replay
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -97,12 +103,13 @@ class DecodeGraphs:
                     len(self.graphs), self.buckets, self.q, ", with the MTP layer" if self.speculative else "",
                     time.perf_counter() - start, (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
-    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata):
+    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None):
         """Logits ``[B * q, vocab]`` fp32 (speculative: and the hidden states ``[B * q, hidden]``) of
-        a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors).
-        Valid until the next replay."""
+        a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors);
+        ``fill`` then writes the ids only the device knows. Valid until the next replay."""
         batch = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= batch)
+        self.staging = self.stagings[1] if self.staging is self.stagings[0] else self.stagings[0]
         s, n = self.staging, batch * self.q
         for name, field in (("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
                             ("context_lens", meta.context_lens), ("state_slots", meta.state_slots)):
@@ -114,6 +121,8 @@ class DecodeGraphs:
         self._fill_padding(batch, bucket)
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
+        if fill is not None:
+            fill.apply(self._field("ids", n))
         self.graphs[bucket].replay()
         self.batch = batch
         out = self.outputs[bucket]

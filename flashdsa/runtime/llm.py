@@ -61,8 +61,9 @@ class LLM:
     bf16 checkpoint's linear layers as FP8; ``tensor_parallel_size=N`` runs it on N ranks (one
     process each; this one is rank 0), with the routed experts split over them under
     ``enable_expert_parallel``. Engine options (max_num_seqs, num_blocks, max_model_len,
-    enforce_eager, speculative_tokens, ...) go to EngineConfig; ``speculative_tokens=1`` also loads
-    the checkpoint's MTP layer. Bad arguments raise ValueError naming them."""
+    enforce_eager, speculative_tokens, async_scheduling, ...) go to EngineConfig;
+    ``speculative_tokens=1`` also loads the checkpoint's MTP layer. Bad arguments raise ValueError
+    naming them."""
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ speculative decoding (one GPU) the runner keeps each step's final hidden states,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,7 @@ from flashdsa.runtime.cuda_graphs import DecodeGraphs
 from flashdsa.runtime.metadata import BatchMetadata
 from flashdsa.runtime.parallel import steps
 from flashdsa.runtime.scheduler import ScheduledChunk
+from flashdsa.runtime.transfer import TokenFill, to_device
 
 
 @dataclass
@@ -33,18 +35,25 @@ class StepLogits:
     row_start: list[int]
     num_rows: list[int]
 
+    def sampling_row(self, i: int, chunk: ScheduledChunk) -> int:
+        """The row of chunk i's last token, which its next token is sampled from (a draft's row follows it)."""
+        return self.row_start[i] + self.num_rows[i] - 1 - (chunk.draft is not None)
+
 
 def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int]]:
     """Flat input ids [T] int64 and the step's BatchMetadata (CPU), plus each chunk's logits rows.
 
     Built with a handful of batched tensor ops, so the cost per step stays small at batch 128+.
+    A token still on the device (async scheduling: the last one of a chunk) gets id 0 here; the
+    runner's ``TokenFill`` writes it on the device.
     """
     ids: list[int] = []
     logits_indices: list[int] = []
     row_start, num_rows = [], []
     for chunk in chunks:
         first = len(ids)
-        ids += chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        known = chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+        ids += known + [0] * (chunk.num_tokens - len(known))
         row_start.append(len(logits_indices))
         if chunk.draft is not None:
             ids.append(chunk.draft)
@@ -89,27 +98,34 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device, speculative)
             self.graphs.capture()
 
-    def run(self, chunks: list[ScheduledChunk]) -> StepLogits:
+    def run(self, chunks: list[ScheduledChunk], fill: Optional[TokenFill] = None) -> StepLogits:
+        """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank only)."""
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
         decode = _is_decode(chunks, self.speculative)
-        return StepLogits(self.forward(input_ids, meta, decode), row_start, num_rows)
+        return StepLogits(self.forward(input_ids, meta, decode, fill), row_start, num_rows)
 
-    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False,
+                fill: Optional[TokenFill] = None) -> torch.Tensor:
         """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
         if self.leader is not None:
+            assert fill is None, "tensor-parallel ranks take every input id from the host"
             steps.send(self.leader, (input_ids, meta, decode))
-        return self.execute(input_ids, meta, decode)
+        return self.execute(input_ids, meta, decode, fill)
 
     @torch.inference_mode()
-    def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool) -> torch.Tensor:
-        """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits)."""
+    def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool,
+                fill: Optional[TokenFill] = None) -> torch.Tensor:
+        """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits). The
+        inputs go up without a host sync, so this only queues work on CUDA."""
         self.last = None
         graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
         if graph:
-            logits = self.graphs.replay(input_ids, meta)
+            logits = self.graphs.replay(input_ids, meta, fill)
             input_ids = self.graphs.input_ids(input_ids.numel())
         else:
-            meta, input_ids = meta.to(self.device), input_ids.to(self.device)
+            meta, input_ids = meta.to(self.device), to_device(input_ids, self.device)
+            if fill is not None:
+                fill.apply(input_ids)
             kwargs = {"return_hidden": True} if self.speculative else {}
             with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
                 logits = self.model(input_ids, meta, self.caches, **kwargs)

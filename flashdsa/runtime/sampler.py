@@ -20,6 +20,7 @@ import torch
 
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
 from flashdsa.runtime.structured import apply_bitmask
+from flashdsa.runtime.transfer import tensor_on, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ Sampled = tuple[int, Optional[TokenLogprobs]]
 
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return tensor_on(values, dtype, device).unsqueeze(1)
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -41,32 +42,34 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
     return counts.scatter_add_(1, ids.clamp(0, vocab - 1), ones)
 
 
-def _penalised(seq: Sequence) -> bool:
+def penalised(seq: Sequence) -> bool:
+    """Whether seq's row has repetition, presence or frequency penalties (they count its tokens)."""
     p = seq.params
     return p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
 
 
 def _short_of_min_tokens(seq: Sequence) -> bool:
-    return seq.num_output_tokens < seq.params.min_tokens
+    """Its next token comes before min_tokens (counting the tokens a step in flight samples)."""
+    return seq.num_output_tokens + seq.num_pending_tokens < seq.params.min_tokens
 
 
 def adjusts_logits(seq: Sequence) -> bool:
     """Whether ``adjust_logits`` changes seq's row: a logit bias, penalties, a grammar, or EOS and
     the stop ids held back until min_tokens."""
-    return bool(seq.params.logit_bias) or _penalised(seq) or seq.matcher is not None or _short_of_min_tokens(seq)
+    return bool(seq.params.logit_bias) or penalised(seq) or seq.matcher is not None or _short_of_min_tokens(seq)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: [N, vocab] fp32, penalised in place."""
-    if not any(_penalised(s) for s in seqs):
+    if not any(penalised(s) for s in seqs):
         return logits
     params = [s.params for s in seqs]
     vocab, device = logits.shape[1], logits.device
     output_counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)
     seen = (output_counts + _token_counts([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, device)) > 0
     rep = _column([p.repetition_penalty for p in params], torch.float32, device)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
+    scaled = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, scaled, logits)
     logits -= _column([p.frequency_penalty for p in params], torch.float32, device) * output_counts
     logits -= _column([p.presence_penalty for p in params], torch.float32, device) * (output_counts > 0)
     return logits
@@ -78,8 +81,8 @@ def _request_tensors(seq: Sequence, name: str, device: torch.device, build: Call
     cached = seq.sampler_tensors.get(name)
     if cached is None:
         entries = build()
-        cached = seq.sampler_tensors[name] = (torch.tensor(list(entries), dtype=torch.int64, device=device),
-                                              torch.tensor(list(entries.values()), dtype=torch.float32, device=device))
+        cached = seq.sampler_tensors[name] = (tensor_on(list(entries), torch.int64, device),
+                                              tensor_on(list(entries.values()), torch.float32, device))
     return cached
 
 
@@ -89,7 +92,7 @@ def _put_rows(logits: torch.Tensor, rows: list[int], parts: list[tuple[torch.Ten
         return
     device = logits.device
     lengths = torch.tensor([len(ids) for ids, _ in parts])
-    row_index = torch.repeat_interleave(torch.tensor(rows), lengths).to(device)
+    row_index = to_device(torch.repeat_interleave(torch.tensor(rows), lengths), device)
     token_index = torch.cat([ids for ids, _ in parts])
     logits.index_put_((row_index, token_index), torch.cat([values for _, values in parts]), accumulate=accumulate)
 
@@ -142,7 +145,7 @@ def _exponential_noise(shape: torch.Size, seqs: list[Sequence], device: torch.de
     seeded = [i for i, seq in enumerate(seqs) if seq.generator is not None]
     if seeded:
         rows = torch.stack([torch.empty(shape[1]).exponential_(generator=seqs[i].generator) for i in seeded])
-        q[torch.tensor(seeded, device=device)] = rows.to(device)
+        q[tensor_on(seeded, torch.int64, device)] = to_device(rows, device)
     return q
 
 
@@ -181,12 +184,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[t
     if all(s.params.greedy for s in seqs):
         return greedy_tokens
     sampled = draw(sampling_probs(logits, seqs), seqs)
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+    greedy = tensor_on([s.params.greedy for s in seqs], torch.bool, logits.device)
     return torch.where(greedy, greedy_tokens, sampled)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Raw log-probabilities of targets[i] under row i of logits, with the num_top[i] best.
+def logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]) -> list[torch.Tensor]:
+    """On the logits' device, without reading anything back: [targets [M], their raw logprobs [M],
+    their ranks [M], the best max(num_top) logprobs [M, k] and their token ids [M, k]].
 
     logits: [M, vocab] fp32, targets: [M] int64.
     """
@@ -194,12 +198,21 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: list[in
     chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
     ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
     top_values, top_ids = logprobs.topk(max(max(num_top, default=0), 1), dim=1)
-    chosen, ranks, targets = chosen.tolist(), ranks.tolist(), targets.tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [targets, chosen, ranks, top_values, top_ids]
+
+
+def as_token_logprobs(tensors: list[torch.Tensor], num_top: list[int]) -> list[TokenLogprobs]:
+    """``logprob_tensors``' output (host or device) as one TokenLogprobs per row."""
+    targets, chosen, ranks, top_values, top_ids = (t.tolist() for t in tensors)
     return [
         TokenLogprobs(targets[i], chosen[i], ranks[i], dict(zip(top_ids[i][: num_top[i]], top_values[i][: num_top[i]])))
         for i in range(len(targets))
     ]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Raw log-probabilities of targets[i] under row i of logits [M, vocab], with the num_top[i] best."""
+    return as_token_logprobs(logprob_tensors(logits, targets, num_top), num_top)
 
 
 def sampled_logprobs(
@@ -209,7 +222,7 @@ def sampled_logprobs(
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     result: list[Optional[TokenLogprobs]] = [None] * len(seqs)
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = tensor_on(rows, torch.int64, logits.device)
         found = token_logprobs(logits[index], tokens[index], [seqs[i].params.logprobs for i in rows])
         for i, lp in zip(rows, found):
             result[i] = lp

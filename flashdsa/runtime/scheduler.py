@@ -6,6 +6,8 @@ When the cache is out of blocks the newest running sequence is preempted: its bl
 and it goes back to the front of the waiting queue to be recomputed later (the prefix cache
 usually makes that cheap). Waiting sequences are admitted, in arrival order, while the budget,
 the cap on running sequences and the free blocks allow, and never in a step that preempted.
+With async scheduling a sequence's length includes the token the step in flight samples for it
+(``Sequence.num_tokens``), and one whose token in flight reaches max_tokens is not scheduled.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so the step samples a token."""
-        return self.start + self.num_tokens == len(self.seq)
+        return self.start + self.num_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -68,8 +70,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-            draft = seq.draft_token if num_tokens == len(seq) - seq.num_computed_tokens < budget else None
+            if seq.num_pending_tokens and seq.num_output_tokens + seq.num_pending_tokens >= seq.max_tokens:
+                i += 1  # the token in flight is its last (max_tokens): nothing more to run
+                continue
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = seq.draft_token if num_tokens == seq.num_tokens - seq.num_computed_tokens < budget else None
             num_run = num_tokens + (draft is not None)
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_run):
                 victim = self.running.pop()
@@ -109,8 +114,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished sequence from the running queue and free its blocks."""
-        self.running.remove(seq)
+        """Drop a finished sequence from its queue (waiting if preempted while its last token was
+        in flight) and free its blocks."""
+        (self.running if seq in self.running else self.waiting).remove(seq)
         self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> Optional[Sequence]:

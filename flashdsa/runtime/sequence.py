@@ -56,7 +56,9 @@ class Sequence:
 
     token_ids is prompt + output. The first num_computed_tokens of them are in the caches (their
     slots are in block_table); a step runs the next chunk and samples once the chunk reaches the
-    end. Preemption frees the blocks and resets num_computed_tokens to 0 (recompute later).
+    end. Preemption frees the blocks and resets num_computed_tokens to 0 (recompute later). With
+    async scheduling the tokens a launched step samples count in num_pending_tokens until the
+    host reads them (``num_tokens`` includes them; token_ids does not).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # sampled by a step still in flight, not yet in token_ids (async scheduling)
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.state_slot = -1  # the per-sequence state (DeepSeek-V4's window and compressors) it holds, -1: none
@@ -96,6 +99,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens including those still on the device: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

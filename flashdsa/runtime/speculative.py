@@ -16,6 +16,7 @@ distribution is the main model's under the request's sampling parameters.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -27,6 +28,8 @@ from flashdsa.runtime.sequence import Sequence, TokenLogprobs
 
 if TYPE_CHECKING:
     from flashdsa.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,3 +156,71 @@ def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor, chunks:
     n = len(chunks)
     tokens = [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)]
     return tokens, values[3 * n :]
+
+
+class Speculation:
+    """The engine's side of speculative decoding: verify each step's drafts (on the device when
+    it can), count them, and set every sequence's next draft."""
+
+    def __init__(self, runner: "ModelRunner", max_model_len: int) -> None:
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # drafts verified (vLLM's spec_decode_num_draft_tokens)
+        self.num_accepted_tokens = 0  # of which accepted
+
+    def verify_on_device(self, chunks: list[ScheduledChunk], sampling: list, logits: torch.Tensor) -> Optional[list]:
+        """A decode step of plain greedy requests only (every chunk samples, with a draft): verify
+        and draft on the device in one read-back (``verify_greedy_on_device``): each chunk's (new
+        tokens, their logprobs). None when the step does not qualify or that fails (the engine's
+        general path then runs)."""
+        if not (len(sampling) == len(chunks)
+                and all(c.num_tokens == 1 and c.draft is not None and plain_greedy(c.seq) for c in chunks)):
+            return None
+        try:
+            tokens, drafts = verify_greedy_on_device(self.runner, logits, chunks)
+        except Exception:
+            logger.exception("verifying %d drafts on the device failed; using the general path", len(chunks))
+            return None
+        self._count(len(chunks), [c.seq for c, new in zip(chunks, tokens) if len(new) == 2])
+        for chunk, new, draft in zip(chunks, tokens, drafts):
+            self._set_draft(chunk.seq, len(chunk.seq) + len(new), draft)
+        return [(new, [None] * len(new)) for new in tokens]
+
+    def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: list[int],
+               token_bitmask: Optional[torch.Tensor]) -> Optional[list]:
+        """Each chunk's (new tokens, their logprobs), its draft verified (``sample_step``); None
+        when no chunk has a draft or verifying fails (every draft then counts as rejected)."""
+        if all(c.draft is None for c in chunks):
+            return None
+        try:
+            step = sample_step(logits, rows, chunks, token_bitmask)
+        except Exception:
+            logger.exception("verifying %d drafts failed; sampling without them", len(chunks))
+            return None
+        self._count(step.num_drafts, [chunks[j].seq for j in step.accepted])
+        return list(zip(step.tokens, step.logprobs))
+
+    def draft(self, chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]) -> None:
+        """Run the MTP layer over the step and set the next draft of every sequence that sampled
+        (none where the draft's position would pass max_model_len). Drafts only save time: if the
+        MTP layer fails, the sequences go on without one."""
+        next_ids, rows, owners = mtp_inputs(chunks, new_tokens)
+        try:
+            ids, flat = torch.tensor(next_ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
+            drafts = self.runner.draft(ids, flat).argmax(dim=1).tolist()
+        except Exception:
+            logger.exception("the MTP layer failed; this step drafts nothing")
+            drafts = [None] * len(owners)
+        for (seq, length), draft in zip(owners, drafts):
+            self._set_draft(seq, length, draft)
+
+    def _count(self, num_drafts: int, accepted: list[Sequence]) -> None:
+        """Count a step's verified drafts; an accepted draft is in the cache already."""
+        for seq in accepted:
+            seq.num_computed_tokens += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += len(accepted)
+
+    def _set_draft(self, seq: Sequence, length: int, draft: Optional[int]) -> None:
+        """seq's next draft, once it holds ``length`` tokens: none where its position would pass max_model_len."""
+        seq.draft_token = draft if length < self.max_model_len else None

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from flashdsa.arguments import add_model_arguments, float_in, int_in
+from flashdsa.arguments import add_model_arguments, add_step_arguments, float_in, int_in
 from flashdsa.errors import ArgumentError, blame
 from flashdsa.runtime.async_engine import AsyncLLM
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling defaults: 'auto' reads the model's generation_config.json, 'none' ignores it, "
                              "or a directory holding one")
     add_parallel_arguments(parser)
-    parser.add_argument("--enforce-eager", action="store_true", help="run decode steps eagerly (no CUDA graphs)")
+    add_step_arguments(parser)
     parser.add_argument("--speculative-tokens", type=int, choices=[0, 1], default=0,
                         help="1: speculative decoding, one token drafted per step by the model's MTP layer")
 
@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                           cache_fraction=args.cache_fraction, enable_prefix_caching=not args.no_prefix_caching,
-                          speculative_tokens=args.speculative_tokens, enforce_eager=args.enforce_eager)
+                          speculative_tokens=args.speculative_tokens, enforce_eager=args.enforce_eager,
+                          async_scheduling=args.async_scheduling)
     parallel = parallel_config(args, "serve")
     path = resolve_model(args.model)
     with blame("--max-model-len"):  # checked before the weights load

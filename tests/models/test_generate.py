@@ -79,11 +79,16 @@ def test_chat_prompt_uses_the_template(tokenizer):
 
 
 def test_generate_command_streams_text_and_ends_with_timings(shrunk, capsys):
+    """The same text with and without --async-scheduling (off by default on the CPU)."""
     argv = ["generate", "--model", str(shrunk), "--prompt", "The sea is", "--max-tokens", "6",
             "--mode", "reference", "--device", "cpu", "--chat"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert re.fullmatch(r"\[prompt \d+ tokens, [\d.]+ tok/s \| generated 6 tokens, [\d.]+ tok/s\]", out[-1]), out[-1]
+    texts = []
+    for extra in ([], ["--async-scheduling"]):
+        assert main(argv + extra) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert re.fullmatch(r"\[prompt \d+ tokens, [\d.]+ tok/s \| generated 6 tokens, [\d.]+ tok/s\]", out[-1]), out[-1]
+        texts.append(out[:-1])
+    assert texts[0] == texts[1]
 
 
 @pytest.mark.parametrize("bad", [["--max-tokens", "0"], ["--temperature", "-1"], ["--top-p", "0"]])

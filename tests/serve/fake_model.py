@@ -45,6 +45,19 @@ class FakeModel(torch.nn.Module):
         return torch.stack(rows) if rows else torch.empty(0, self.config.vocab_size)
 
 
+POISON = 99
+
+
+class FailsOnPoison(FakeModel):
+    """Fails every forward whose input ids hold POISON (as the model sees them: after the device
+    fills in the tokens of an overlapped step)."""
+
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, caches: torch.Tensor) -> torch.Tensor:
+        if (input_ids == POISON).any():
+            raise RuntimeError("poisoned input")
+        return super().forward(input_ids, meta, caches)
+
+
 def reference_greedy(prompt_ids: list[int], vocab_size: int, max_tokens: int, eos: int) -> list[int]:
     """What greedy decoding of the fake must produce, computed without any cache."""
     ids = list(prompt_ids)

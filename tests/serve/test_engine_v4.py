@@ -33,6 +33,7 @@ def expected(checkpoint, prompts):
 @pytest.mark.parametrize("options", [
     dict(max_num_seqs=2, max_num_batched_tokens=48),  # queueing, chunked prefill, decode mixed in
     dict(max_num_seqs=4, max_num_batched_tokens=512, num_blocks=8),  # too few blocks: preemption
+    dict(max_num_seqs=3, max_num_batched_tokens=64, async_scheduling=True),  # one step in flight
 ])
 def test_greedy_tokens_equal_the_one_sequence_path(checkpoint, prompts, expected, options):
     llm = LLM(str(checkpoint), device="cpu", mode="reference", **options)

@@ -7,21 +7,11 @@ import json
 
 import httpx
 import pytest
-from fake_model import FakeModel, reference_greedy
+from fake_model import POISON, FailsOnPoison, reference_greedy
 from server_thread import ServerThread, metric, wait_until_idle
 
 from flashdsa.runtime.engine import EngineConfig
 from flashdsa.serve.command import make_app
-
-POISON = 99
-
-
-class FailsOnPoison(FakeModel):
-    def forward(self, input_ids, meta, caches):
-        if (input_ids == POISON).any():
-            raise RuntimeError("poisoned input")
-        return super().forward(input_ids, meta, caches)
-
 
 class BreakingTokenizer:
     """The tiny tokenizer, except that encoding "boom" raises an unexpected error."""

@@ -81,3 +81,24 @@ def test_abort_frees_blocks_wherever_the_request_is():
         assert sched.abort(rid).finish_reason == "abort"
     assert sched.abort("unknown") is None
     assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+
+
+def test_a_token_in_flight_counts_in_the_plan_and_a_last_one_is_not_scheduled():
+    """Async scheduling: a sequence whose sampled token is still on the device runs that token
+    next; one whose token in flight is its max_tokens-th gets nothing, and may still be preempted;
+    finishing it then (it waits) frees its blocks."""
+    for num_blocks in (4, 2):
+        sched = make(num_blocks)
+        b, a = add(sched, "b", 64), add(sched, "a", 64)
+        a.max_tokens = 1
+        for c in sched.schedule():  # what a launched step does: computed, one token in flight
+            c.seq.num_computed_tokens += c.num_tokens
+            c.seq.num_pending_tokens = 1
+        chunks = sched.schedule()
+        assert [(c.seq.request_id, c.start, c.num_tokens, c.samples) for c in chunks] == [("b", 64, 1, True)]
+        assert a.status == (SequenceStatus.RUNNING if num_blocks == 4 else SequenceStatus.WAITING)
+    a.append_token(1)  # the engine reads a's token: its last
+    a.num_pending_tokens = 0
+    a.finish("length")
+    sched.finish(a)
+    assert not sched.waiting and sched.running == [b] and sched.block_manager.num_used_blocks == 2

@@ -44,11 +44,11 @@ def test_greedy_output_is_identical_with_and_without_speculation(mtp_checkpoint)
 def test_device_verification_matches_the_general_path(mtp_checkpoint, monkeypatch):
     """Plain greedy decode steps verify and draft on the device (one read-back); with logprobs
     asked the general path runs. Both give the same tokens and accept the same drafts."""
-    from flashdsa.runtime import engine as engine_module
+    from flashdsa.runtime import speculative as speculative_module
 
     calls = []
-    verify = engine_module.verify_greedy_on_device
-    monkeypatch.setattr(engine_module, "verify_greedy_on_device", lambda *a: calls.append(1) or verify(*a))
+    verify = speculative_module.verify_greedy_on_device
+    monkeypatch.setattr(speculative_module, "verify_greedy_on_device", lambda *a: calls.append(1) or verify(*a))
     options = dict(mode="reference", num_blocks=10, max_num_seqs=6, max_num_batched_tokens=96, speculative_tokens=1)
     prompts = _prompts(8)
     results = {}

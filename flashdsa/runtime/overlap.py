@@ -1,0 +1,117 @@
+"""Async scheduling: the host prepares step n+1 while the GPU runs step n.
+
+With ``EngineConfig.async_scheduling`` (default on CUDA) ``LLMEngine.step()`` schedules step n+1
+counting every sequence that samples in step n one token longer (``Sequence.num_pending_tokens``),
+builds and uploads its inputs and launches it; the input ids that step n samples are copied on
+the device from step n's sampled tokens (``TokenFill``), never through the host. The step is
+sampled on the device and its tokens (and logprobs) start their copy to the host behind it
+(``HostCopy``); only then does the host wait for step n's tokens and process them (stop
+conditions, text, outputs) while step n+1 runs. So ``step()`` returns the previous step's
+outputs, and the only wait for the GPU in a decode step is that one read-back.
+
+A sequence that finishes on a token of step n (EOS, a stop string or id) ran one wasted token in
+step n+1: the token is dropped and the blocks are freed when step n is processed (step n+1's cache
+writes are stream-ordered before any later use of them). One whose token in flight reaches
+max_tokens is not scheduled again. The schedule itself can differ from the synchronous engine's
+(a finished sequence still holds its place and blocks for one more step); the tokens do not.
+
+A step runs synchronously instead (step n's tokens are read first, then the step runs and samples
+as without async scheduling) when
+- a sampling sequence has repetition / frequency / presence penalties (they count its previous
+  tokens on the host) or a structured-output grammar (its bitmask needs the matcher advanced by
+  the previous token),
+- a chunk wants prompt logprobs, or a prompt-only request (max_tokens=0) reaches its end,
+- the engine decodes speculatively (MTP drafts) or runs tensor parallel (the other ranks take
+  their input ids from rank 0's host),
+- its overlapped launch raised (a failing forward or sampler): the synchronous path then runs it
+  again and finds the requests at fault one at a time, as without async scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from flashdsa.runtime.sampler import as_token_logprobs, logprob_tensors, penalised, sample
+from flashdsa.runtime.scheduler import ScheduledChunk
+from flashdsa.runtime.sequence import TokenLogprobs
+from flashdsa.runtime.transfer import HostCopy, TokenFill, tensor_on
+
+if TYPE_CHECKING:
+    from flashdsa.runtime.model_runner import ModelRunner, StepLogits
+
+NewTokens = tuple[list[int], list[Optional[TokenLogprobs]]]
+
+
+def overlappable(chunks: list[ScheduledChunk], runner: "ModelRunner") -> bool:
+    """Whether the step of ``chunks`` may run overlapped (see the module docstring for why not)."""
+    if runner.speculative or runner.leader is not None:
+        return False
+    for chunk in chunks:
+        seq = chunk.seq
+        if seq.wants_prompt_logprobs:
+            return False
+        if chunk.samples and (seq.max_tokens == 0 or seq.matcher is not None or penalised(seq)):
+            return False
+    return True
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens are on their way to the host.
+
+    chunks: the chunks that sample, in the order of ``tokens: [R]`` int64 (device); rows: id(seq)
+    -> its index in tokens; logprob_rows / num_top: the rows that asked for logprobs and how many
+    alternatives each; copy: tokens, then the logprob tensors, to the host."""
+
+    chunks: list[ScheduledChunk]
+    rows: dict[int, int]
+    tokens: torch.Tensor
+    logprob_rows: list[int]
+    num_top: list[int]
+    copy: HostCopy
+
+    def results(self) -> list[NewTokens]:
+        """Each chunk's new token and its logprobs (None where not asked); waits for the copy."""
+        host = self.copy.wait()
+        tokens = host[0].tolist()
+        logprobs: list[Optional[TokenLogprobs]] = [None] * len(tokens)
+        if self.logprob_rows:
+            for row, found in zip(self.logprob_rows, as_token_logprobs(host[1:], self.num_top)):
+                logprobs[row] = found
+        return [([token], [lp]) for token, lp in zip(tokens, logprobs)]
+
+
+def launch_sampling(chunks: list[ScheduledChunk], step_logits: "StepLogits") -> InFlightStep:
+    """Sample every chunk that reaches its sequence's end on the device and queue the copy of the
+    tokens (and of the logprobs asked for) to the host; nothing waits for the GPU."""
+    sampling = [(chunk, step_logits.sampling_row(i, chunk)) for i, chunk in enumerate(chunks) if chunk.samples]
+    logits = step_logits.logits
+    seqs = [chunk.seq for chunk, _ in sampling]
+    if seqs:
+        logits = logits.index_select(0, tensor_on([row for _, row in sampling], torch.int64, logits.device))
+        tokens = sample(logits, seqs)
+    else:
+        tokens = torch.empty(0, dtype=torch.int64, device=logits.device)
+    logprob_rows = [j for j, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    num_top = [seqs[j].params.logprobs for j in logprob_rows]
+    found = []
+    if logprob_rows:
+        index = tensor_on(logprob_rows, torch.int64, logits.device)
+        found = logprob_tensors(logits.index_select(0, index), tokens.index_select(0, index), num_top)
+    return InFlightStep([chunk for chunk, _ in sampling], {id(seq): j for j, seq in enumerate(seqs)}, tokens,
+                        logprob_rows, num_top, HostCopy([tokens, *found]))
+
+
+def token_fill(chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[TokenFill]:
+    """The input ids of ``chunks`` that only the device has: a chunk's last token when it is the
+    one ``previous`` sampled for its sequence (None when there is none)."""
+    dst, src, offset = [], [], 0
+    for chunk in chunks:
+        if chunk.start + chunk.num_tokens > len(chunk.seq.token_ids):
+            dst.append(offset + chunk.num_tokens - 1)
+            src.append(previous.rows[id(chunk.seq)])
+        offset += chunk.num_run
+    return TokenFill(dst, src, previous.tokens) if dst else None
