@@ -1,20 +1,23 @@
-"""End-to-end decode and prefill of a DeepSeek-V3.2-width model against its hardware bounds.
+"""End-to-end decode and prefill of a DeepSeek-V3.2-width (or V4-Flash-width) model against its hardware bounds.
 
 Builds the V3.2-width random model with ``--layers`` layers (FP8 weights in the official
-checkpoint layout, written once to a temporary directory and loaded through the normal loader),
+checkpoint layout, written once to a temporary directory and loaded through the normal loader;
+``--arch deepseek_v4``: the V4-Flash-width one, layers cycling sliding / CSA / HCA / CSA, its FP8
+weights dequantized to bf16 at load as the V4 loader does today),
 then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-eager``, async
 scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-scheduling``) measures:
 
 - decode ms/step and tokens/s at each (batch, context), against the bytes-read bound: what one
   step must read once (every resident weight but the embedding table and the routed experts, the
   distinct experts the batch's tokens select (counted in an eager step of the same batch), and
-  per layer and sequence the top-k latent rows (656 B) and every indexer key (132 B)) at the
+  per layer and sequence the top-k latent rows (656 B) and every indexer key (132 B); V4: the
+  window's rows, the CSA top-k entries (584 B) and every CSA indexer key, every HCA entry) at the
   memory bandwidth of a device copy measured here (bytes read and written per second);
 - GPU-busy share, kernel launches and host syncs per decode step (torch profiler);
 - prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
-  indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here).
+  indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here; V3.2 only).
 
-  python benchmarks/bench_e2e.py [--layers 4] [--async-scheduling both] [--output BENCHMARKS.md]
+  python benchmarks/bench_e2e.py [--arch deepseek_v4] [--layers 4] [--async-scheduling both] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -31,9 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_decode_indexer import copy_bandwidth  # noqa: E402
 from benchmarks.common import output_parser, report, Row  # noqa: E402
+from flashdsa.models.deepseek_v4_loader import load_v4_model  # noqa: E402
 from flashdsa.models.loader import load_model  # noqa: E402
-from flashdsa.models.synthetic import v32_config, write_random_checkpoint  # noqa: E402
+from flashdsa.models.synthetic import (  # noqa: E402
+    v4_flash_config,
+    v32_config,
+    write_random_checkpoint,
+    write_random_v4_checkpoint,
+)
 from flashdsa.runtime.cache.layout import INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES  # noqa: E402
+from flashdsa.runtime.cache.layout_v4 import V4_TOKEN_BYTES  # noqa: E402
 from flashdsa.runtime.engine import EngineConfig, LLMEngine  # noqa: E402
 from flashdsa.runtime.sampling_params import SamplingParams  # noqa: E402
 
@@ -74,8 +84,22 @@ def step_bytes(model, batch: int, context: int, distinct: list[int]) -> float:
     resident = nbytes(list(model.parameters()) + list(model.buffers()))
     weights = resident - routed - model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     per_expert = routed / max(len(experts), 1) / c.n_routed_experts
-    cache = batch * c.num_hidden_layers * (min(context, c.index_topk) * MLA_TOKEN_BYTES + context * INDEXER_TOKEN_BYTES)
-    return weights + sum(distinct) * per_expert + cache
+    return weights + sum(distinct) * per_expert + batch * cache_bytes(c, context)
+
+
+def cache_bytes(c, context: int) -> int:
+    """Cache bytes one sequence's decode step must read, all layers."""
+    if not hasattr(c, "compress_ratios"):  # V3.2
+        return c.num_hidden_layers * (min(context, c.index_topk) * MLA_TOKEN_BYTES + context * INDEXER_TOKEN_BYTES)
+    total = 0
+    for ratio in c.compress_ratios:  # V4: the window, then the compressed entries it reads
+        entries = context // ratio if ratio else 0
+        total += min(context, c.sliding_window) * V4_TOKEN_BYTES
+        if ratio == c.csa_ratio:
+            total += min(entries, c.index_topk) * V4_TOKEN_BYTES + entries * INDEXER_TOKEN_BYTES
+        else:
+            total += entries * V4_TOKEN_BYTES
+    return total
 
 
 def distinct_experts(engine: LLMEngine) -> list[int]:
@@ -210,6 +234,8 @@ def prefill_point(model, tokenizer, length: int, rate: float, profile: bool = Fa
 
 def main() -> None:
     parser = output_parser(__doc__)
+    parser.add_argument("--arch", choices=("deepseek_v32", "deepseek_v4"), default="deepseek_v32",
+                        help="the random model's widths: V3.2's, or V4-Flash's (decode only)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
     parser.add_argument("--enforce-eager", action="store_true", help="also time each point without CUDA graphs")
@@ -222,10 +248,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from transformers import AutoTokenizer
 
+    v4 = args.arch == "deepseek_v4"
     with tempfile.TemporaryDirectory() as tmp:
-        write_random_checkpoint(tmp, v32_config(args.layers), device="cuda")
+        if v4:
+            write_random_v4_checkpoint(tmp, v4_flash_config(args.layers), device="cuda")
+        else:
+            write_random_checkpoint(tmp, v32_config(args.layers), device="cuda")
         t0 = time.perf_counter()
-        model = load_model(tmp, device="cuda")
+        model = load_v4_model(tmp, "cuda", mode="production") if v4 else load_model(tmp, device="cuda")
         load_s = time.perf_counter() - t0
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     bandwidth, rate = copy_bandwidth("cuda") * 1e9, fp8_gemm_rate()  # bytes/s, read + write
@@ -238,11 +268,12 @@ def main() -> None:
             for row in found:
                 print(row, flush=True)
             rows += found
-    for length in filter(None, args.prefill.split(",")):
+    for length in filter(None, "" if v4 else args.prefill.split(",")):
         rows.append(prefill_point(model, tokenizer, int(length), rate, args.profile))
         print(rows[-1], flush=True)
     resident = nbytes(list(model.parameters()) + list(model.buffers())) / 2**30
-    title = (f"End-to-end, V3.2-width random model, {args.layers} layers, FP8 weights ({resident:.1f} GiB resident, "
+    kind = "V4-Flash-width random model, bf16 weights" if v4 else "V3.2-width random model, FP8 weights"
+    title = (f"End-to-end, {kind}, {args.layers} layers ({resident:.1f} GiB resident, "
              f"loaded in {load_s:.0f} s); copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {rate / 1e12:.0f} TFLOPS")
     report(title, rows, args.output)
 

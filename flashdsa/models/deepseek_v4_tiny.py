@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,10 +50,12 @@ def tiny_v4_config(vocab_size: int = 512, small: bool = False) -> DeepseekV4Conf
 
 
 def _init(name: str, shape: torch.Size, gen: torch.Generator, config: DeepseekV4Config) -> torch.Tensor:
-    """O(1) activations: norms near 1, Linear ``[out, in]`` ~ N(0, 1/in), small biases and sinks."""
-    noise = torch.randn(shape, generator=gen)
+    """O(1) activations: norms near 1, Linear ``[out, in]`` ~ N(0, 1/in), small biases and sinks
+    (on the generator's device)."""
     if name.endswith("tid2eid"):
-        return torch.rand(config.vocab_size, config.n_routed_experts, generator=gen).argsort(-1)[:, :shape[1]]
+        experts = torch.rand(config.vocab_size, config.n_routed_experts, generator=gen, device=gen.device)
+        return experts.argsort(-1)[:, :shape[1]]
+    noise = torch.randn(shape, generator=gen, device=gen.device)
     if name.endswith(("norm.weight", "_hc.scale", "hc_head.hc_scale")):
         return 1.0 + 0.1 * noise
     if name.endswith(("_hc.base", "hc_head.hc_base", "e_score_correction_bias")):
@@ -64,14 +67,16 @@ def _init(name: str, shape: torch.Size, gen: torch.Generator, config: DeepseekV4
     return noise / math.sqrt(shape[-1])
 
 
-def random_v4_weights(config: DeepseekV4Config, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor of the model with one MTP layer, under the official names, bf16 but fp32 parts."""
-    gen = torch.Generator().manual_seed(seed)
+def random_v4_weights(config: DeepseekV4Config, seed: int, device: str | torch.device = "cpu",
+                      only: Callable[[str], bool] = lambda name: True, mtp_layers: int = 1) -> dict[str, torch.Tensor]:
+    """The model's tensors (with ``mtp_layers`` MTP layers) whose transformers names pass ``only``,
+    under the official names, bf16 but fp32 parts, made on ``device``."""
+    gen = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
-        shapes = {n: t.shape for n, t in DeepseekV4ForCausalLM(config, mtp_layers=1).state_dict().items()}
+        shapes = {n: t.shape for n, t in DeepseekV4ForCausalLM(config, mtp_layers=mtp_layers).state_dict().items()}
     names = official_names(config, list(shapes))
     out = {}
-    for name, shape in shapes.items():
+    for name, shape in filter(lambda item: only(item[0]), shapes.items()):
         t = _init(name, shape, gen, config)
         if t.is_floating_point():
             t = t.float() if keeps_fp32(name) else t.to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Random checkpoints at DeepSeek-V3.2's true widths, in the official layout, for benchmarks.
+"""Random checkpoints at DeepSeek-V3.2's (and V4-Flash's) true widths, in the official layout, for benchmarks.
 
 ``v32_config(num_layers)`` is the official config.json (FP8, 256 experts, 128 heads) with fewer
 layers; ``write_random_checkpoint`` generates every tensor on ``device`` (a GPU makes the 15B
@@ -88,6 +88,60 @@ def write_random_checkpoint(path: str | Path, raw_config: dict, device: str | to
             noise = torch.randn(shapes[name], generator=gen, device=device, dtype=dtype)
             tensors[name] = init_value(name, noise, config.num_hidden_layers)
         tensors = to_fp8(tensors) if fp8 else tensors
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
+                  metadata={"format": "pt"})
+        (path / f"{file}.tmp").rename(path / file)
+        weight_map.update({n: file for n in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(raw_config, indent=2))
+    write_tokenizer(path, config.vocab_size)
+    return path
+
+
+V4_FLASH_CONFIG = dict(
+    model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], torch_dtype="bfloat16",
+    vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_attention_heads=64, num_key_value_heads=1,
+    head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, n_routed_experts=256,
+    n_shared_experts=1, num_experts_per_tok=6, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+    swiglu_limit=10.0, sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=65536),
+    max_position_embeddings=1048576, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    num_nextn_predict_layers=0,
+    quantization_config=dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0", activation_scheme="dynamic",
+                             weight_block_size=[128, 128]),
+)
+V4_LAYER_CYCLE = (0, 4, 128, 4)  # sliding, CSA, HCA, CSA: every attention type in 4 layers
+
+
+def v4_flash_config(num_layers: int = 4, **overrides) -> dict:
+    """DeepSeek-V4-Flash's widths with ``num_layers`` layers cycling sliding / CSA / HCA / CSA (the
+    first hash-routed)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    ratios = [V4_LAYER_CYCLE[i % len(V4_LAYER_CYCLE)] for i in range(num_layers)]
+    return {**V4_FLASH_CONFIG, "num_hidden_layers": num_layers, "compress_ratios": ratios, "num_hash_layers": 1,
+            **overrides}
+
+
+@torch.no_grad()
+def write_random_v4_checkpoint(path: str | Path, raw_config: dict, device: str | torch.device = "cpu",
+                               seed: int = 0) -> Path:
+    """config.json, one shard per layer (e4m3 with UE8M0 block scales where the release is FP8, when
+    the config says so) and a word-level tokenizer, in DeepSeek-V4's official layout."""
+    from flashdsa.models.deepseek_v4_config import DeepseekV4Config
+    from flashdsa.models.deepseek_v4_tiny import random_v4_weights, to_fp8_ue8m0
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV4Config.from_dict(dict(raw_config))
+    groups = [lambda n: not n.startswith("model.layers.")]
+    groups += [lambda n, i=i: n.startswith(f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
+    weight_map = {}
+    for i, only in enumerate(tqdm(groups, desc="writing random shards", unit="shard")):
+        tensors = random_v4_weights(config, seed + i, device, only, mtp_layers=0)
+        tensors = to_fp8_ue8m0(tensors) if raw_config.get("quantization_config") else tensors
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
                   metadata={"format": "pt"})

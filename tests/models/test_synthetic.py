@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 
 from flashdsa.models.loader import load_model
-from flashdsa.models.synthetic import v32_config, write_random_checkpoint
+from flashdsa.models.synthetic import v4_flash_config, v32_config, write_random_checkpoint, write_random_v4_checkpoint
 from flashdsa.runtime.llm import LLM
 from flashdsa.runtime.sampling_params import SamplingParams
 
@@ -35,3 +35,15 @@ def test_random_checkpoint_is_official_fp8_layout_and_generates(tmp_path):
     out = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
     assert [len(r.outputs[0].token_ids) for r in out] == [4, 4]
+
+
+def test_random_v4_flash_checkpoint_covers_every_attention_type_and_generates(tmp_path):
+    raw = v4_flash_config(4, hidden_size=128, moe_intermediate_size=128, n_routed_experts=8, num_attention_heads=8,
+                          q_lora_rank=64, o_lora_rank=64, index_n_heads=4, vocab_size=300)
+    assert raw["compress_ratios"] == [0, 4, 128, 4] and v4_flash_config()["hidden_size"] == 4096
+    path = write_random_v4_checkpoint(tmp_path, raw)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "layers.1.attn.wq_b.scale" in index  # FP8 with UE8M0 block scales, as the release
+    llm = LLM(str(path), device="cpu", max_num_seqs=2)
+    out = llm.generate([[5, 6, 7], [8] * 140], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [len(r.outputs[0].token_ids) for r in out] == [3, 3]
