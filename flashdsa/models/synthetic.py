@@ -11,6 +11,7 @@ loader, engine and server run it unchanged.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -80,22 +81,33 @@ def write_random_checkpoint(path: str | Path, raw_config: dict, device: str | to
         parts = name.split(".")
         groups.setdefault(f"layer{int(parts[2]):03d}" if parts[1] == "layers" else "other", []).append(name)
     gen = torch.Generator(device).manual_seed(seed)
+
+    def shards():
+        for _, names in sorted(groups.items()):
+            tensors = {}
+            for name in names:  # the bias's noise in fp32, the rest in bf16 (half the random bytes)
+                dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+                noise = torch.randn(shapes[name], generator=gen, device=device, dtype=dtype)
+                tensors[name] = init_value(name, noise, config.num_hidden_layers)
+            yield to_fp8(tensors) if fp8 else tensors
+
+    return _write_checkpoint(path, shards(), len(groups), raw_config, config.vocab_size)
+
+
+def _write_checkpoint(path: Path, shards: Iterator[dict[str, torch.Tensor]], count: int, raw_config: dict,
+                      vocab_size: int) -> Path:
+    """One safetensors file per dict of ``shards`` (each written to a temporary name, then renamed),
+    the index, config.json and a word-level tokenizer."""
     weight_map = {}
-    for i, (group, names) in enumerate(tqdm(sorted(groups.items()), desc="writing random shards", unit="shard")):
-        tensors = {}
-        for name in names:  # the bias's noise in fp32, the rest in bf16 (half the random bytes)
-            dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
-            noise = torch.randn(shapes[name], generator=gen, device=device, dtype=dtype)
-            tensors[name] = init_value(name, noise, config.num_hidden_layers)
-        tensors = to_fp8(tensors) if fp8 else tensors
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+    for i, tensors in enumerate(tqdm(shards, total=count, desc="writing random shards", unit="shard")):
+        file = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
         save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
                   metadata={"format": "pt"})
         (path / f"{file}.tmp").rename(path / file)
         weight_map.update({n: file for n in tensors})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(raw_config, indent=2))
-    write_tokenizer(path, config.vocab_size)
+    write_tokenizer(path, vocab_size)
     return path
 
 
@@ -138,16 +150,7 @@ def write_random_v4_checkpoint(path: str | Path, raw_config: dict, device: str |
     config = DeepseekV4Config.from_dict(dict(raw_config))
     groups = [lambda n: not n.startswith("model.layers.")]
     groups += [lambda n, i=i: n.startswith(f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
-    weight_map = {}
-    for i, only in enumerate(tqdm(groups, desc="writing random shards", unit="shard")):
-        tensors = random_v4_weights(config, seed + i, device, only, mtp_layers=0)
-        tensors = to_fp8_ue8m0(tensors) if raw_config.get("quantization_config") else tensors
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: t.contiguous().cpu() for n, t in tensors.items()}, str(path / f"{file}.tmp"),
-                  metadata={"format": "pt"})
-        (path / f"{file}.tmp").rename(path / file)
-        weight_map.update({n: file for n in tensors})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(raw_config, indent=2))
-    write_tokenizer(path, config.vocab_size)
-    return path
+    fp8 = bool(raw_config.get("quantization_config"))
+    shards = (random_v4_weights(config, seed + i, device, only, mtp_layers=0) for i, only in enumerate(groups))
+    return _write_checkpoint(path, (to_fp8_ue8m0(t) if fp8 else t for t in shards), len(groups), raw_config,
+                             config.vocab_size)
