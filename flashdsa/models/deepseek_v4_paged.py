@@ -132,24 +132,30 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
             entry = torch.arange(plan.meta.max_context_len // attn.ratio, device=x.device)
             picked = torch.where(entry < visible_entries(positions, attn.ratio)[:, None], entry, -1)
     main = None if picked is None else (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
-    out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan.production)
+    # HCA lists every visible entry first: in a decode step the kernel stops at the visible count
+    lengths = visible_entries(positions, attn.ratio).int() if attn.ratio and attn.layer_type != CSA else None
+    out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan, lengths)
     plan.store_window(cache.window, kv)
     return attn.output(out, cos, sin)
 
 
 def attend(q: torch.Tensor, window: torch.Tensor, window_rows: torch.Tensor, main: tuple | None, sinks: torch.Tensor,
-           scale: float, production: bool) -> torch.Tensor:
+           scale: float, plan: StepPlan, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Sinked attention of ``q: [T, H, D]`` over its window rows and the ``main = (pool, slots [T, K])``
-    compressed entries, if any -> ``[T, H, D]``."""
-    if not production:
+    compressed entries, if any (``lengths: [T]``: the first that count, or None: all) -> ``[T, H, D]``.
+    Production decode steps run as B requests of one query (the kernel splits each request's
+    keys), other steps as one request of T queries."""
+    if not plan.production:
         entries = None if main is None else main[0].view(-1, main[0].shape[-1])
         return sparse_sink_attention(q, window, window_rows, sinks, scale, entries, None if main is None else main[1])
     sets = [(window, window_rows)] if main is None else [main, (window, window_rows)]
-    (pool, rows), extra = sets[0], (sets[1] if len(sets) > 1 else (None, None))
+    (pool, rows), (extra, extra_rows) = sets[0], (sets[1] if len(sets) > 1 else (None, None))
+    shape = (q.shape[0], 1) if plan.decode else (1, q.shape[0])  # (requests, queries each)
     out, _ = sparse_attention_v4_decode(
-        q[None], pool, rows[None].int(), scale, attn_sink=sinks, extra_kv_cache=extra[0],
-        extra_indices=None if extra[1] is None else extra[1][None].int())
-    return out[0]
+        q.view(*shape, *q.shape[1:]), pool, rows.view(*shape, -1).int(), scale,
+        topk_length=lengths if plan.decode and main is not None else None, attn_sink=sinks, extra_kv_cache=extra,
+        extra_indices=None if extra_rows is None else extra_rows.view(*shape, -1).int())
+    return out.view(q.shape)
 
 
 def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Tensor,

@@ -52,10 +52,10 @@ def tiny_v4_config(vocab_size: int = 512, small: bool = False) -> DeepseekV4Conf
 def _init(name: str, shape: torch.Size, gen: torch.Generator, config: DeepseekV4Config) -> torch.Tensor:
     """O(1) activations: norms near 1, Linear ``[out, in]`` ~ N(0, 1/in), small biases and sinks
     (on the generator's device)."""
+    noise = torch.randn(shape, generator=gen, device=gen.device)  # drawn for every tensor: the stream stays put
     if name.endswith("tid2eid"):
         experts = torch.rand(config.vocab_size, config.n_routed_experts, generator=gen, device=gen.device)
         return experts.argsort(-1)[:, :shape[1]]
-    noise = torch.randn(shape, generator=gen, device=gen.device)
     if name.endswith(("norm.weight", "_hc.scale", "hc_head.hc_scale")):
         return 1.0 + 0.1 * noise
     if name.endswith(("_hc.base", "hc_head.hc_base", "e_score_correction_bias")):
