@@ -11,9 +11,9 @@ Two layouts are read (told apart by their names):
   own names.
 
 Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.scale``, ue8m0 or
-fp32, officially; ``<name>_scale_inv`` in transformers' layout), dequantized one tensor at a time
-into the model's storage. FP4 experts (``expert_dtype: fp4``: e2m1 pairs packed in int8 with ue8m0
-scales per 32 inputs, as DeepSeek ships V4) are refused with a ValueError.
+fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the routed experts FP4
+(``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
+inputs, ``runtime.fp4``), dequantized one tensor at a time into the model's storage.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tqdm import tqdm
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.models.loader import checkpoint_files, dequantize_blocks
+from flashdsa.runtime.fp4 import dequantize_fp4
 from flashdsa.runtime.gemm import GROUP
 
 logger = logging.getLogger(__name__)
@@ -108,17 +109,17 @@ def _scale_name(name: str, where: dict[str, Path]) -> str | None:
 def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
     """Tensor ``name`` of the open file ``f`` as float: e4m3 weights dequantized with their block scales."""
     kind = f.get_slice(name).get_dtype()
-    if kind in ("I8", "U8", "F4", "F8_E8M0") and ".experts." in name:
-        raise ValueError(f"{name}: FP4 experts (e2m1 packed in {kind}, expert_dtype fp4) are not supported yet; "
-                         "convert the experts to bf16 or FP8 e4m3 with 128x128 block scales")
+    fp4 = kind in ("I8", "U8", "F4") and ".experts." in name
     t = f.get_tensor(name)
-    if kind != "F8_E4M3":
+    if kind != "F8_E4M3" and not fp4:
         return t
     scale = _scale_name(name, where)
     if scale is None:
-        raise ValueError(f"FP8 tensor {name} has no block scales ({name.removesuffix('.weight')}.scale or "
-                         f"{name}_scale_inv)")
+        raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} has no scales ({name.removesuffix('.weight')}.scale "
+                         f"or {name}_scale_inv)")
     with safe_open(where[scale], framework="pt") as g:
+        if fp4:
+            return dequantize_fp4(t.view(torch.uint8), g.get_tensor(scale))
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
@@ -130,8 +131,6 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
     unexpected or mis-shaped tensor, and for FP4 experts."""
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
-    if config.expert_dtype == "fp4":
-        raise ValueError(f"{path}: expert_dtype 'fp4' (DeepSeek's FP4 experts) is not supported yet")
     if mtp and config.num_nextn_predict_layers < 1:
         raise ValueError(f"checkpoint {path} has no multi-token-prediction layer (num_nextn_predict_layers 0)")
     with torch.device("meta"):

@@ -10,6 +10,7 @@ from flashdsa.models.deepseek_v4_config import DeepseekV4Config, model_type
 from flashdsa.models.deepseek_v4_loader import load_v4_model
 from flashdsa.models.deepseek_v4_tiny import TINY, make_tiny_v4_checkpoint
 from flashdsa.models.rope import Rotary
+from flashdsa.runtime.fp4 import quantize_fp4
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +86,42 @@ def _rewrite(checkpoint, tmp_path, edit):
     return tmp_path
 
 
-def test_fp4_experts_are_refused_naming_the_tensor(bf16_checkpoint, tmp_path):
+def _e2m1(code: torch.Tensor) -> torch.Tensor:
+    """e2m1 nibbles by their bits (sign, 2 exponent bits with bias 1, 1 mantissa bit; exponent 0: subnormal)."""
+    sign = 1 - 2 * ((code >> 3) & 1).float()
+    exponent, mantissa = ((code >> 1) & 3).float(), (code & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, (1 + 0.5 * mantissa) * torch.exp2(exponent - 1))
+    return sign * magnitude
+
+
+def test_fp4_experts_load_dequantized(bf16_checkpoint, tmp_path):
+    """DeepSeek's FP4 experts: two e2m1 values a byte (low nibble first), a UE8M0 scale per 32 inputs."""
+    stored = {}
+
+    def to_fp4(w):
+        for name in [n for n in w if ".ffn.experts." in n]:
+            packed, scale = quantize_fp4(w[name])
+            w[name], w[name.removesuffix(".weight") + ".scale"] = packed, scale
+            byte = packed.view(torch.uint8).long()
+            values = torch.stack([_e2m1(byte & 0xF), _e2m1(byte >> 4)], dim=-1).flatten(-2)
+            stored[name] = values * scale.float().repeat_interleave(32, dim=-1)
+    path = _rewrite(bf16_checkpoint, tmp_path, to_fp4)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp4"}))
+    experts = load_v4_model(path).model.layers[0].mlp.experts
+    gate, up = experts.gate_up_proj[3].chunk(2)
+    torch.testing.assert_close(gate, stored["layers.0.ffn.experts.3.w1.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(up, stored["layers.0.ffn.experts.3.w3.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(experts.down_proj[3], stored["layers.0.ffn.experts.3.w2.weight"], rtol=0, atol=0)
+    original = load_file(bf16_checkpoint / "model.safetensors")["layers.0.ffn.experts.3.w2.weight"].float()
+    assert ((experts.down_proj[3] - original).norm() / original.norm()) < 0.2  # FP4 keeps the weights, coarsely
+
+
+def test_fp4_experts_without_scales_are_named(bf16_checkpoint, tmp_path):
     def to_fp4(w):
         w["layers.0.ffn.experts.0.w1.weight"] = torch.zeros(32, 32, dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight: FP4"):
+    with pytest.raises(ValueError, match=r"FP4 tensor layers\.0\.ffn\.experts\.0\.w1\.weight has no scales"):
         load_v4_model(_rewrite(bf16_checkpoint, tmp_path, to_fp4))
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp4"}))
-    with pytest.raises(ValueError, match="expert_dtype 'fp4'"):
-        load_v4_model(tmp_path)
 
 
 def test_missing_unexpected_and_misshaped_tensors_are_named(bf16_checkpoint, tmp_path):
