@@ -117,10 +117,7 @@ class V4Output:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    # The engine's view: the window and compressor states live in per-sequence state slots, which
-    # a prefix-cache hit cannot restore (so no prefix caching yet); CUDA graphs are not captured yet.
-    supports_prefix_caching = False
-    supports_cuda_graphs = False
+    supports_cuda_graphs = False  # not captured until a GPU has checked the capture (test_deepseek_v4_gpu.py)
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
                  mode: str = "reference"):

@@ -10,6 +10,8 @@ Per layer (a sliding-window layer has only the window):
   index    paged like ``entries`` (CSA): the lightning indexer's compressed keys.
   states   ``[num_slots, rows, C]`` fp32 each (``runtime.compressor.new_state``): the compressors'
            open (and, for CSA, last closed) windows, for the entries and for the index keys.
+A state slot (window rows and states, every layer) is a sequence's whole state beyond its blocks:
+copying one is a prefix-cache snapshot (``runtime.block_manager``).
 Production pools are FlashMLA's MODEL1 (584 B per window row or entry, ``cache.layout_v4``) and the
 V3.2 FP8 indexer layout (132 B per key); reference pools hold fp32 rows. The paged part is what a
 64-token block costs (:func:`bytes_per_block`); window and states are fixed per slot
@@ -47,6 +49,13 @@ class V4Caches:
     layers: list[V4LayerCache]
 
     block_size = BLOCK_SIZE  # tokens a block of the block table covers
+
+    def copy_slots(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Copy whole state slots ``source[i] -> destination[i]`` (int64 ``[n]``): window rows and
+        compressor states, every layer (prefix-cache snapshots and their restores)."""
+        for cache in self.layers:
+            for t in (cache.window, *(cache.state or ()), *(cache.index_state or ())):
+                t[destination] = t[source]
 
     @property
     def num_blocks(self) -> int:

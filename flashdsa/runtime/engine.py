@@ -20,7 +20,7 @@ import torch
 
 from flashdsa.runtime.block_manager import BlockManager
 from flashdsa.runtime.engine_config import EngineConfig, plan_num_blocks
-from flashdsa.runtime.model_runner import ModelRunner, StepLogits, num_state_slots
+from flashdsa.runtime.model_runner import ModelRunner, StepLogits, state_slots
 from flashdsa.runtime.outputs import OutputProcessor
 from flashdsa.runtime.overlap import InFlightStep, NewTokens, launch_sampling, overlappable, token_fill
 from flashdsa.runtime.sampler import sample_each, token_logprobs
@@ -49,17 +49,15 @@ class LLMEngine:
                            self.num_blocks, self.num_blocks * BLOCK_SIZE)
             max_len = self.num_blocks * BLOCK_SIZE
         self.max_model_len = max_len
-        prefix_caching = self.config.enable_prefix_caching and getattr(model, "supports_prefix_caching", True)
-        if self.config.enable_prefix_caching and not prefix_caching:
-            logger.info("prefix caching is off: %s keeps per-sequence state that cached blocks cannot restore",
-                        type(model).__name__)
+        prefix_caching = self.config.enable_prefix_caching
         self.block_manager = BlockManager(self.num_blocks, prefix_caching,
-                                          num_state_slots(model, self.config.max_num_seqs))
+                                          *state_slots(model, self.config.max_num_seqs, prefix_caching))
         self.scheduler = Scheduler(
             SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens), self.block_manager
         )
         self.runner = ModelRunner(model, self.num_blocks, self.device, self.config.max_num_seqs, max_len,
-                                  self.config.enforce_eager, speculative=self.config.speculative_tokens > 0)
+                                  self.config.enforce_eager, speculative=self.config.speculative_tokens > 0,
+                                  prefix_caching=prefix_caching)
         self.speculation = Speculation(self.runner, max_len) if self.config.speculative_tokens else None
         self.grammars = Grammars(tokenizer, self.vocab_size)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler, max_len)

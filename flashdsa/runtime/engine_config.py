@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime.checks import check
-from flashdsa.runtime.model_runner import num_state_slots
+from flashdsa.runtime.model_runner import state_slots
 from flashdsa.runtime.sequence import BLOCK_SIZE
 
 
@@ -51,6 +51,7 @@ def plan_num_blocks(model: torch.nn.Module, config: EngineConfig, device: torch.
         return min(ceiling, 1024)
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1 - config.cache_fraction) * total
-    if num_state_slots(model, config.max_num_seqs):
-        budget -= (config.max_num_seqs + 1) * model.state_bytes_per_slot()  # + 1: see ModelRunner
+    running, snapshots = state_slots(model, config.max_num_seqs, config.enable_prefix_caching)
+    if running:
+        budget -= (running + 1 + snapshots) * model.state_bytes_per_slot()  # + 1: see state_slots
     return max(1, min(ceiling, int(budget // model.cache_bytes_per_block())))

@@ -78,7 +78,8 @@ class ModelRunner:
     the per-sequence state of models that keep one (``num_state_slots``)."""
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, device: torch.device, max_num_seqs: int = 1,
-                 max_model_len: int = 0, enforce_eager: bool = True, speculative: bool = False) -> None:
+                 max_model_len: int = 0, enforce_eager: bool = True, speculative: bool = False,
+                 prefix_caching: bool = False) -> None:
         self.model = model
         self.device = device
         self.speculative = speculative
@@ -90,8 +91,9 @@ class ModelRunner:
         self.leader = shard if shard is not None and shard.size > 1 and shard.rank == 0 else None
         if self.leader is not None:
             steps.send(self.leader, steps.RunnerSpec(num_blocks, max_num_seqs, max_model_len, enforce_eager))
-        stateful = num_state_slots(model, max_num_seqs)  # + 1: the CUDA graphs' padding rows write into the last
-        self.caches = model.allocate_caches(num_blocks, stateful + 1) if stateful else model.allocate_caches(num_blocks)
+        running, snapshots = state_slots(model, max_num_seqs, prefix_caching)
+        self.caches = model.allocate_caches(num_blocks, running + 1 + snapshots) if running else \
+            model.allocate_caches(num_blocks)
         self.graphs = None
         if (not enforce_eager and device.type == "cuda" and getattr(model, "mode", None) == "production"
                 and getattr(model, "supports_cuda_graphs", True)):
@@ -102,7 +104,15 @@ class ModelRunner:
         """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank only)."""
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
         decode = _is_decode(chunks, self.speculative)
-        return StepLogits(self.forward(input_ids, meta, decode, fill), row_start, num_rows)
+        self._copy_states([(c.restore_from, c.seq.state_slot) for c in chunks if c.restore_from >= 0])
+        logits = self.forward(input_ids, meta, decode, fill)
+        self._copy_states([(c.seq.state_slot, c.snapshot_to) for c in chunks if c.snapshot_to >= 0])
+        return StepLogits(logits, row_start, num_rows)
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slots ``(source, destination)`` (prefix-cache snapshots), in stream order."""
+        if pairs:
+            self.caches.copy_slots(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False,
                 fill: Optional[TokenFill] = None) -> torch.Tensor:
@@ -151,10 +161,14 @@ class ModelRunner:
             return self.model.mtp_forward(next_ids.to(self.device), hidden, meta, self.caches)
 
 
-def num_state_slots(model: torch.nn.Module, max_num_seqs: int) -> int:
-    """State slots the model needs (one per running sequence: DeepSeek-V4's window and compressor
-    states), 0 for a model whose paged caches hold everything (V3.2)."""
-    return max_num_seqs if hasattr(model, "state_bytes_per_slot") else 0
+def state_slots(model: torch.nn.Module, max_num_seqs: int, prefix_caching: bool) -> tuple[int, int]:
+    """(slots for running sequences, snapshot slots) of a model with per-sequence state
+    (DeepSeek-V4's window and compressor states): one per running sequence and, with prefix caching,
+    as many snapshots (``BlockManager``); (0, 0) for a model whose paged caches hold everything (V3.2).
+    The runner allocates one more slot, the CUDA graphs' padding rows'."""
+    if not hasattr(model, "state_bytes_per_slot"):
+        return 0, 0
+    return max_num_seqs, max_num_seqs if prefix_caching else 0
 
 
 def _is_decode(chunks: list[ScheduledChunk], speculative: bool = False) -> bool:

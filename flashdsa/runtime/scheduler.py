@@ -35,6 +35,8 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     draft: Optional[int] = None
+    restore_from: int = -1  # a state snapshot to copy into seq's state slot before the step (prefix hit)
+    snapshot_to: int = -1  # a snapshot slot to copy seq's state slot into after the step
 
     @property
     def num_run(self) -> int:
@@ -73,7 +75,7 @@ class Scheduler:
             if seq.num_pending_tokens and seq.num_output_tokens + seq.num_pending_tokens >= seq.max_tokens:
                 i += 1  # the token in flight is its last (max_tokens): nothing more to run
                 continue
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = self._cap(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
             draft = seq.draft_token if num_tokens == seq.num_tokens - seq.num_computed_tokens < budget else None
             num_run = num_tokens + (draft is not None)
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_run):
@@ -83,14 +85,14 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, draft))
+                chunks.append(self._chunk(seq, num_tokens, draft))
                 budget -= num_run
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 self.block_manager.acquire_prefix(seq)
-            num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+            num_tokens = self._cap(seq, min(len(seq) - seq.num_computed_tokens, budget))
             if not self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens):
                 self.block_manager.free(seq)
                 break
@@ -101,9 +103,26 @@ class Scheduler:
                 self.prefix_hits += seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            chunks.append(self._chunk(seq, num_tokens))
             budget -= num_tokens
         return chunks
+
+    def _cap(self, seq: Sequence, num_tokens: int) -> int:
+        """A prefill chunk stops at the sequence's snapshot boundary (``BlockManager``), if it has one."""
+        boundary = self.block_manager.snapshot_boundary(seq)
+        if seq.num_computed_tokens < boundary < seq.num_computed_tokens + num_tokens:
+            return boundary - seq.num_computed_tokens
+        return num_tokens
+
+    def _chunk(self, seq: Sequence, num_tokens: int, draft: Optional[int] = None) -> ScheduledChunk:
+        """seq's chunk of the step, with the state copies it needs: the snapshot its prefix hit
+        restores (once), the snapshot its state is copied to where the chunk ends at the boundary."""
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, draft, seq.restore_from)
+        seq.restore_from = -1
+        end = seq.num_computed_tokens + num_tokens
+        if end == self.block_manager.snapshot_boundary(seq) > 0:
+            chunk.snapshot_to = self.block_manager.reserve_snapshot(seq)
+        return chunk
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -83,6 +83,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.state_slot = -1  # the per-sequence state (DeepSeek-V4's window and compressors) it holds, -1: none
+        self.restore_from = -1  # a prefix hit's state snapshot to copy into state_slot before its next step
+        self.snapshot_to = -1  # the snapshot slot reserved for its state at the prompt's last full block
         self.num_cached_prompt_tokens = 0  # prompt tokens found in the prefix cache (first schedule)
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprobs] = []

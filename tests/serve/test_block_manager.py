@@ -99,3 +99,31 @@ def test_random_workload_never_leaks_or_double_frees():
         bm.free(seq)
     assert bm.num_used_blocks == 0
     assert bm.allocator.num_used == len(bm.evictable)
+
+
+def test_stateful_prefix_hits_end_at_a_snapshot_and_snapshots_go_with_their_block():
+    """Models with per-sequence state (2 running slots, 1 snapshot slot, slot 2 the graphs' padding)."""
+    bm = BlockManager(6, num_state_slots=2, num_snapshot_slots=1)
+    prompt = list(range(1000, 1000 + 3 * B + 5))
+    a = make_seq(prompt, "a")
+    bm.acquire_prefix(a)
+    assert bm.grow(a, len(a)) and a.state_slot == 0
+    assert bm.snapshot_boundary(a) == 3 * B and bm.reserve_snapshot(a) == 3
+    assert bm.reserve_snapshot(a) == -1  # one reservation a sequence
+    a.num_computed_tokens = 3 * B
+    bm.register_computed(a)  # the step that ended at the boundary ran: the snapshot is offered
+    assert bm.snapshot_of == {a.block_hashes[2]: 3} and a.snapshot_to == -1
+    bm.free(a)
+    assert bm.free_state_slots == [1, 0]
+    longer = make_seq(prompt + [5] * 70, "b")
+    assert bm.acquire_prefix(longer) == 3 * B and longer.restore_from == 3
+    shorter = make_seq(prompt[: 2 * B + 10], "c")  # its cached chain has no snapshot: nothing to resume from
+    assert bm.acquire_prefix(shorter) == 0 and shorter.restore_from == -1
+    bm.free(longer)
+    filler = make_seq(range(5000, 5000 + 6 * B), "d")  # needs every block: evicts a's, and its snapshot
+    bm.acquire_prefix(filler)
+    assert bm.grow(filler, len(filler))
+    assert not bm.snapshot_of and bm.free_snapshot_slots == [3]
+    assert bm.reserve_snapshot(filler) == 3
+    bm.free(filler)  # aborted before the step ran: the reservation comes back
+    assert bm.free_snapshot_slots == [3] and bm.free_state_slots == [1, 0]

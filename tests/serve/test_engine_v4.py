@@ -41,11 +41,46 @@ def test_greedy_tokens_equal_the_one_sequence_path(checkpoint, prompts, expected
     results = llm.generate(prompts, params, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in results] == expected
     engine = llm.engine
-    assert not engine.block_manager.enable_prefix_caching  # V4's per-sequence state cannot be restored
     assert engine.block_manager.num_used_blocks == 0
     assert sorted(engine.block_manager.free_state_slots) == list(range(options["max_num_seqs"]))
     if "num_blocks" in options:
         assert engine.scheduler.num_preemptions > 0
+
+
+def _greedy(llm, prompt, tokens=12):
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_prefix_hits_restore_the_state_snapshot_and_give_the_same_tokens(checkpoint, prompts):
+    """A repeated prompt and a second turn resume from the first prompt's snapshot (its last full
+    block); the tokens are the one-sequence path's."""
+    reference = load_v4_model(checkpoint)
+    llm = LLM(str(checkpoint), device="cpu", mode="reference", max_num_seqs=2, max_num_batched_tokens=96)
+    engine, manager = llm.engine, llm.engine.block_manager
+    first = prompts[3]  # 200 tokens: its snapshot covers 192
+    want = reference.generate_greedy(torch.tensor(first), 12).tolist()
+    assert _greedy(llm, first) == want and manager.snapshot_of
+    hits = engine.scheduler.prefix_hits
+    assert _greedy(llm, first) == want
+    assert engine.scheduler.prefix_hits - hits == 192
+    second_turn = first + want + prompts[1]
+    hits = engine.scheduler.prefix_hits
+    assert _greedy(llm, second_turn) == reference.generate_greedy(torch.tensor(second_turn), 12).tolist()
+    assert engine.scheduler.prefix_hits - hits == 192  # the first turn's snapshot (the second's is at 192 too)
+    assert manager.num_used_blocks == 0 and len(manager.free_state_slots) == 2
+    assert len(manager.free_snapshot_slots) + len(manager.snapshot_of) == 2  # none leaked
+
+
+def test_snapshots_are_evicted_least_recently_used(checkpoint, prompts):
+    llm = LLM(str(checkpoint), device="cpu", mode="reference", max_num_seqs=1)  # one snapshot slot
+    manager = llm.engine.block_manager
+    a, b = prompts[2], prompts[3]
+    first = _greedy(llm, a, 4)
+    _greedy(llm, b, 4)  # takes the only snapshot slot: a's goes
+    hits = llm.engine.scheduler.prefix_hits
+    assert _greedy(llm, a, 4) == first and llm.engine.scheduler.prefix_hits == hits  # recomputed, same tokens
+    assert len(manager.snapshot_of) == 1 and not manager.free_snapshot_slots
 
 
 def test_production_mode_generates_on_the_cpu(checkpoint, prompts):
