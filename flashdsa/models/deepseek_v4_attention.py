@@ -25,7 +25,6 @@ from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, 
 from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from flashdsa.models.hyper_connections import RMSNorm, rms_normalize
 from flashdsa.models.rope import Rotary
-from flashdsa.runtime.rope import cos_sin
 
 QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
 
@@ -61,13 +60,14 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
 
 
 class RopeTable:
-    """The RoPE angles of one rope type: ``table(positions [S]) -> (cos, sin)`` each ``[S, R/2]`` fp32."""
+    """The RoPE angles of one rope type: ``table(positions [S]) -> (cos, sin)`` each ``[S, R/2]`` fp32
+    (the frequencies copied to a device once: a copy per call would be a host sync on a GPU)."""
 
     def __init__(self, rotary: Rotary):
-        self.inv_freq, self.attention_factor = rotary.inv_freq, rotary.attention_factor
+        self.rotary = rotary
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos_sin(positions, self.inv_freq.to(positions.device), self.attention_factor)
+        return self.rotary.at(positions).cos_sin
 
 
 @dataclass
