@@ -52,11 +52,13 @@ def _greedy(llm, prompt, tokens=12):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_prefix_hits_restore_the_state_snapshot_and_give_the_same_tokens(checkpoint, prompts):
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_prefix_hits_restore_the_state_snapshot_and_give_the_same_tokens(checkpoint, prompts, overlapped):
     """A repeated prompt and a second turn resume from the first prompt's snapshot (its last full
-    block); the tokens are the one-sequence path's."""
+    block); the tokens are the one-sequence path's, with async scheduling too."""
     reference = load_v4_model(checkpoint)
-    llm = LLM(str(checkpoint), device="cpu", mode="reference", max_num_seqs=2, max_num_batched_tokens=96)
+    llm = LLM(str(checkpoint), device="cpu", mode="reference", max_num_seqs=2, max_num_batched_tokens=96,
+              async_scheduling=overlapped)
     engine, manager = llm.engine, llm.engine.block_manager
     first = prompts[3]  # 200 tokens: its snapshot covers 192
     want = reference.generate_greedy(torch.tensor(first), 12).tolist()
