@@ -172,7 +172,8 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
 
 def test_moe_kernels_compile_for_hopper_and_blackwell(launches):
     """Every launch shape of the MoE heuristic (bf16 and FP8) and both alignment paths, at V3.2 widths
-    (the weights are left uninitialised: nothing runs)."""
+    (the weights are left uninitialised: nothing runs); V4's clipped SwiGLU at the decode and the
+    prefill shapes."""
     from flashdsa.runtime.moe.triton import align, fused_moe
 
     experts, hidden, inter, top_k = 4, 7168, 2048, 8
@@ -187,6 +188,9 @@ def test_moe_kernels_compile_for_hopper_and_blackwell(launches):
         for fp8, config in ((False, bf16_config), (True, fp8_config)):
             (w13, w2), (w13_scale, w2_scale) = stacks[fp8], scales[fp8]
             fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config)
+            if config in (fused_moe.HEURISTIC[0][1 + fp8], fused_moe.HEURISTIC[-1][1 + fp8]):
+                fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config,
+                                    swiglu_limit=10.0)
     many = torch.randint(0, 256, (4096, top_k), dtype=torch.int32)
     align.align_tokens(many, 256, 64, 4096)  # several chunks: the count launch too
     assert compile_all(launches) == ["_combine_kernel", "_count_kernel", "_grouped_gemm_kernel", "_place_kernel"]

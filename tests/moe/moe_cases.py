@@ -117,8 +117,10 @@ def assert_moe_close(got: torch.Tensor, ref: torch.Tensor, fp8: bool) -> None:
 
 
 def dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain float64 re-statement, pair by pair, on dequantized weights and unquantized activations."""
+              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+              swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    """Plain float64 re-statement, pair by pair, on dequantized weights and unquantized activations
+    (``swiglu_limit``: V4's clipped SwiGLU)."""
     from flashdsa.runtime.gemm.reference import dequantize_weight
 
     def weight(w, scale, e):
@@ -129,7 +131,17 @@ def dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     for t in range(x.shape[0]):
         for j, e in enumerate(expert_ids[t].tolist()):
             if 0 <= e < w13.shape[0]:
-                gate_up = weight(w13, w13_scale, e) @ x[t].double()
-                h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+                gate, up = (weight(w13, w13_scale, e) @ x[t].double()).split(inter)
+                if swiglu_limit is not None:
+                    gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+                h = torch.nn.functional.silu(gate) * up
                 out[t] += weights[t, j].double() * (weight(w2, w2_scale, e) @ h)
     return out
+
+
+def assert_clip_matters(args: dict, swiglu_limit: float) -> None:
+    """The clip moves the exact output by far more than any test tolerance, so a backend that
+    ignored ``swiglu_limit`` would fail the comparison."""
+    clipped, plain = dense_moe(**args, swiglu_limit=swiglu_limit), dense_moe(**args)
+    moved = (clipped - plain).abs().max().item()
+    assert moved > 0.25 * clipped.abs().max().item(), f"seed {SEED}: the clip at {swiglu_limit} moves only {moved:.3g}"

@@ -8,7 +8,7 @@ import torch
 
 from flashdsa.runtime.moe import fused_moe
 from flashdsa.testing import poisoned
-from moe_cases import SEED, dense_moe, generator, moe_inputs
+from moe_cases import SEED, assert_clip_matters, dense_moe, generator, moe_inputs
 
 
 def close_to_dense(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
@@ -39,6 +39,19 @@ def test_reference_fp8_matches_the_dense_restatement(pow2_scales):
                    2**-3 if pow2_scales else 2**-4)
     dequantized = fused_moe(**args, quantize_activations=False, backend="reference")  # no activation rounding
     close_to_dense(dequantized, want, 2**-6)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reference_clipped_swiglu_matches_the_dense_restatement(fp8):
+    """DeepSeek-V4's ``silu(min(gate, L)) * clamp(up, -L, L)``, at a limit most |gate|, |up| cross."""
+    args = moe_inputs(10, 3, 5, 160, 128, fp8, generator(8, fp8), invalid=0.1)
+    limit = 0.5
+    assert_clip_matters(args, limit)
+    got = fused_moe(**args, swiglu_limit=limit, backend="reference")
+    close_to_dense(got, dense_moe(**args, swiglu_limit=limit), 2**-4 if fp8 else 2**-6)
+    if fp8:
+        dequantized = fused_moe(**args, quantize_activations=False, swiglu_limit=limit, backend="reference")
+        close_to_dense(dequantized, dense_moe(**args, swiglu_limit=limit), 2**-6)
 
 
 def test_out_buffer_and_no_tokens():
@@ -82,6 +95,8 @@ def base_args() -> dict:
     (dict(pow2_scales=1), "pow2_scales must be a bool"),
     (dict(quantize_activations=None), "quantize_activations must be a bool"),
     (dict(out=torch.zeros(3, 16)), "out must be bfloat16 [T=3, H=16]"),
+    *[(dict(swiglu_limit=bad), f"swiglu_limit must be a finite number > 0 or None, got {bad!r}")
+      for bad in (0.0, -7.0, float("inf"), float("nan"), True, "10", torch.tensor(10.0))],
     (dict(x=torch.zeros(16, 3, dtype=torch.bfloat16).T), "x must be contiguous"),
 ])
 def test_bad_arguments_name_themselves(change, message):

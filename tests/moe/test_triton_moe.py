@@ -15,7 +15,8 @@ import torch
 
 from flashdsa.runtime.moe import align_tokens, fused_moe, max_blocks, select_experts
 from flashdsa.testing import flood_cuda_allocator_with_nan, kernel_test_main, poisoned, run_under_interpreter
-from moe_cases import SEED, alignment_cases, assert_moe_close, check_alignment, generator, moe_inputs
+from moe_cases import (SEED, alignment_cases, assert_clip_matters, assert_moe_close, check_alignment, generator,
+                       moe_inputs)
 
 V32 = dict(num_experts=256, top_k=8, hidden=7168, inter=2048)
 
@@ -32,20 +33,23 @@ def check_triton_alignment(ids: torch.Tensor, num_experts: int, block_m: int, **
     check_alignment(ids, num_experts, block_m, aligned)
 
 
-def check_fused(args: dict, fp8: bool, pow2_scales: bool = False, **knobs) -> None:
+def check_fused(args: dict, fp8: bool, pow2_scales: bool = False, swiglu_limit: float | None = None,
+                **knobs) -> None:
     """Triton (public op, or with ``knobs`` such as a launch config the backend) vs the reference,
     into a NaN ``out``."""
     x = args["x"]
     out = poisoned(x.shape, x.dtype, x.device)
     if not knobs:
-        got = fused_moe(**args, pow2_scales=pow2_scales, out=out, backend="triton")
+        got = fused_moe(**args, pow2_scales=pow2_scales, swiglu_limit=swiglu_limit, out=out, backend="triton")
     else:
         from flashdsa.runtime.moe.triton import fused_moe as backend
 
         got = backend.fused_moe(args["x"], args["w13"], args["w2"], args["weights"], args["expert_ids"],
-                                args.get("w13_scale"), args.get("w2_scale"), pow2_scales, True, out, **knobs)
+                                args.get("w13_scale"), args.get("w2_scale"), pow2_scales, True, out,
+                                swiglu_limit=swiglu_limit, **knobs)
     assert got is out
-    assert_moe_close(got, fused_moe(**args, pow2_scales=pow2_scales, backend="reference"), fp8)
+    want = fused_moe(**args, pow2_scales=pow2_scales, swiglu_limit=swiglu_limit, backend="reference")
+    assert_moe_close(got, want, fp8)
 
 
 def interpreter_configs():
@@ -68,6 +72,10 @@ def run_interpreter_cases() -> None:
         check_fused(args, fp8, config=small_tiles)
         check_fused(args, fp8, pow2_scales=fp8, config=block_m_32, chunk_tokens=3)  # chunks of 3, 3, 1 tokens
         check_fused(moe_inputs(4, 2, 3, 40, 24, fp8, generator(3, fp8)), fp8)  # the default decode config
+        clipped = moe_inputs(6, 2, 4, 136, 128, fp8, generator(6, fp8), invalid=0.1)
+        assert_clip_matters(clipped, 0.5)  # V4's clipped SwiGLU at a limit most gate and up values cross
+        check_fused(clipped, fp8, pow2_scales=fp8, swiglu_limit=0.5, config=small_tiles)
+        check_fused(clipped, fp8, swiglu_limit=0.5)
     crowded = moe_inputs(20, 2, 4, 64, 32, True, generator(4))
     crowded["expert_ids"][:] = 1  # all 40 pairs on one expert (3 blocks), experts 0, 2, 3 idle
     check_fused(crowded, True, config=small_tiles)
@@ -108,6 +116,20 @@ def test_v32_shapes_match_reference(tokens, fp8, v32_experts):
     args = v32_inputs(tokens, v32_experts, fp8)
     flood_cuda_allocator_with_nan(cuda, 1 << 30)  # room for every internal buffer at T=2048
     check_fused(args, fp8, pow2_scales=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 512])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_v4_clipped_swiglu_matches_reference(tokens, fp8):
+    """DeepSeek-V4-Flash's expert widths (H=4096, I=2048, top-6; 64 of its 256 experts to keep the
+    reference quick) with the SwiGLU clipped at 0.75, which most gate and up values cross."""
+    args = moe_inputs(tokens, 6, 64, 4096, 2048, fp8, generator(30, tokens, fp8), invalid=0.05, device=cuda)
+    plain = fused_moe(**args, pow2_scales=fp8, backend="reference").double()
+    clipped = fused_moe(**args, pow2_scales=fp8, swiglu_limit=0.75, backend="reference").double()
+    assert (clipped - plain).abs().max() > 0.25 * clipped.abs().max(), f"seed {SEED}: the clip hardly matters"
+    flood_cuda_allocator_with_nan(cuda, 1 << 30)
+    check_fused(args, fp8, pow2_scales=fp8, swiglu_limit=0.75)
 
 
 @pytest.mark.gpu

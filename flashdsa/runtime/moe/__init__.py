@@ -5,6 +5,8 @@ For T tokens, each routed to top_k of E experts (hidden H, intermediate I)::
     router_logits [T, E] --select_experts--> weights [T, k] fp32, expert_ids [T, k] int32
     fused_moe: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert_ids[t, j]
 
+(DeepSeek-V4 clips the SwiGLU: ``silu(min(gate, L)) * clamp(up, -L, L)``, fused_moe's ``swiglu_limit``.)
+
 A (token, slot) pair is the flat index ``p = t * top_k + j``. An expert id < 0 or >= E (under
 expert parallelism: an expert another rank owns) contributes nothing and is never dereferenced.
 On the triton backend nothing reads a device value back to the host and every size depends only
@@ -157,10 +159,13 @@ def _check_weights(x, w13, w2, w13_scale, w2_scale) -> None:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
               w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
-              pow2_scales: bool = False, quantize_activations: bool = True, *, out: Optional[torch.Tensor] = None,
+              pow2_scales: bool = False, quantize_activations: bool = True, *,
+              swiglu_limit: Optional[float] = None, out: Optional[torch.Tensor] = None,
               backend: Optional[str] = None) -> torch.Tensor:
     """Routed experts of T tokens: ``out[t] = sum_j weights[t, j] * y(t, expert_ids[t, j])`` with
-    ``y(t, e) = w2[e] @ (silu(gate) * up)`` and ``[gate; up] = w13[e] @ x[t]``.
+    ``y(t, e) = w2[e] @ (silu(gate) * up)`` and ``[gate; up] = w13[e] @ x[t]``; with
+    ``swiglu_limit`` L (a finite number > 0, DeepSeek-V4's clipped SwiGLU) the fp32 products are
+    clipped first: ``silu(min(gate, L)) * clamp(up, -L, L)``.
 
     x: [T, H] bf16 (fp32: reference backend only). w13: [E, 2*I, H], gate rows then up rows;
     w2: [E, H, I]; both x's dtype, or both float8_e4m3fn with w13_scale [E, ceil(2I/128),
@@ -182,10 +187,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     check_tensor("weights", weights, torch.float32, [tokens, top_k], f"fp32 [T={tokens}, top_k={top_k}]", x.device)
     for name, flag in (("pow2_scales", pow2_scales), ("quantize_activations", quantize_activations)):
         check(isinstance(flag, bool), f"{name} must be a bool, got {flag!r}")
+    if swiglu_limit is not None:
+        is_number = isinstance(swiglu_limit, (int, float)) and not isinstance(swiglu_limit, bool)
+        check(is_number and math.isfinite(swiglu_limit) and swiglu_limit > 0,
+              f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")
+        swiglu_limit = float(swiglu_limit)
     if out is not None:
         check_tensor("out", out, x.dtype, [tokens, hidden], f"{_name(x.dtype)} [T={tokens}, H={hidden}]",
                      x.device)
     dequantized_fp8 = w13.dtype == E4M3 and not quantize_activations
     impl = dispatch.select("fused_moe", x.device, backend, num_experts=w13.shape[0], dtype=x.dtype,
                            dequantized_fp8=dequantized_fp8)
-    return impl(x, w13, w2, weights, expert_ids, w13_scale, w2_scale, pow2_scales, quantize_activations, out)
+    return impl(x, w13, w2, weights, expert_ids, w13_scale, w2_scale, pow2_scales, quantize_activations, out,
+                swiglu_limit=swiglu_limit)

@@ -70,7 +70,8 @@ def _linear(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, pow2
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               expert_ids: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-              pow2_scales: bool, quantize: bool, out: torch.Tensor | None) -> torch.Tensor:
+              pow2_scales: bool, quantize: bool, out: torch.Tensor | None, *,
+              swiglu_limit: float | None = None) -> torch.Tensor:
     tokens, top_k = expert_ids.shape
     inter = w13.shape[1] // 2
     pair_out = torch.zeros(tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)
@@ -81,7 +82,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         scale13 = None if w13_scale is None else w13_scale[e]
         scale2 = None if w2_scale is None else w2_scale[e]
         gate_up = _linear(x[token], w13[e], scale13, pow2_scales, quantize)  # [n, 2I] fp32
-        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)  # stored in x's dtype
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if swiglu_limit is not None:  # DeepSeek-V4's clipped SwiGLU
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        h = (F.silu(gate) * up).to(x.dtype)  # stored in x's dtype
         y = _linear(h, w2[e], scale2, pow2_scales, quantize) * weights[token, slot, None]
         pair_out[token, slot] = y.to(x.dtype).float()  # each pair's output is stored in x's dtype
     result = pair_out.sum(dim=1).to(x.dtype)  # fp32 sum over the k pairs of each token

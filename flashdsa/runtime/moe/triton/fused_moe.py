@@ -1,9 +1,10 @@
 """Routed experts in Triton with no host sync: align, gate/up GEMM + SiLU, down GEMM, combine.
 
 Launches per call: the alignment (1, or 2 past 1024 pairs), the gate/up grouped GEMM with
-``silu(gate) * up`` in its epilogue, the down grouped GEMM scaling each pair by its routing weight,
-and the combine (the fp32 sum of each token's k pair rows); FP8 weights add the activation
-quantizer (``runtime.gemm.quantize_activations``) before each GEMM. Every buffer size follows from
+``silu(gate) * up`` in its epilogue (gate and up clipped first under a ``swiglu_limit``), the
+down grouped GEMM scaling each pair by its routing weight, and the combine (the fp32 sum of each
+token's k pair rows); FP8 weights add the activation quantizer
+(``runtime.gemm.quantize_activations``) before each GEMM. Every buffer size follows from
 the shapes (the alignment's static block bound), so the call can be captured in a CUDA graph.
 Past ``CHUNK_TOKENS`` tokens the call runs chunk by chunk, so its buffers stay bounded.
 
@@ -83,20 +84,22 @@ def _combine_kernel(pair_out_ptr, expert_ids_ptr, out_ptr, hidden, num_experts, 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
               pow2_scales: bool, quantize: bool, out: Optional[torch.Tensor], *,
-              config: Optional[MoeConfig] = None, chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+              swiglu_limit: Optional[float] = None, config: Optional[MoeConfig] = None,
+              chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``), run
     ``chunk_tokens`` tokens at a time; ``config`` overrides :func:`choose_config` (benchmark sweeps)."""
     out = torch.empty_like(x) if out is None else out
     for start in range(0, x.shape[0], chunk_tokens):
         rows = slice(start, start + chunk_tokens)
         _routed_experts(x[rows], w13, w2, weights[rows], expert_ids[rows], w13_scale, w2_scale, pow2_scales,
-                        out[rows], config)
+                        out[rows], config, swiglu_limit)
     return out
 
 
 def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
-                    pow2_scales: bool, out: torch.Tensor, config: Optional[MoeConfig]) -> None:
+                    pow2_scales: bool, out: torch.Tensor, config: Optional[MoeConfig],
+                    swiglu_limit: Optional[float]) -> None:
     """One chunk of tokens into ``out``: x, weights, expert_ids and out are row slices (contiguous)."""
     tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
@@ -107,7 +110,8 @@ def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     aligned = align_tokens(expert_ids, num_experts, config.block_m, num_blocks)
     a, a_scale = quantize_activations(x, pow2_scales=pow2_scales) if fp8 else (x, None)
     h = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)  # aligned rows
-    grouped_gemm(a, a_scale, w13, w13_scale, h, aligned, top_k, config.gate_up, gated=True)
+    grouped_gemm(a, a_scale, w13, w13_scale, h, aligned, top_k, config.gate_up, gated=True,
+                 swiglu_limit=swiglu_limit)
     h, h_scale = quantize_activations(h, pow2_scales=pow2_scales) if fp8 else (h, None)
     pair_out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     grouped_gemm(h, h_scale, w2, w2_scale, pair_out, aligned, top_k, config.down, gated=False,

@@ -4,7 +4,8 @@ Program (block, column tile) reads the block's expert from ``block_experts`` and
 for an unused block (-1), so the grid can cover the static :func:`max_blocks` bound. Its rows
 are activations gathered by token (``pair // top_k``) in the gate/up GEMM (``GATED``) or taken
 in aligned order in the down GEMM; padding rows (-1) load zeros. ``GATED`` runs the gate and up
-rows of the stacked ``[E, 2n, K]`` weight as two accumulators and stores ``silu(gate) * up``;
+rows of the stacked ``[E, 2n, K]`` weight as two accumulators and stores ``silu(gate) * up``
+(``CLIP``: ``silu(min(gate, L)) * clamp(up, -L, L)``, DeepSeek-V4's clipped SwiGLU);
 ``WEIGHTED`` scales each row by its pair's routing weight and stores it at the pair's row.
 
 FP8 operands (e4m3) carry fp32 scales per token and 128 channels (activations) and per 128x128
@@ -65,9 +66,9 @@ def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, route_weights_ptr,
-    n, k, num_blocks, top_k,
+    n, k, num_blocks, top_k, swiglu_limit,
     stride_a, stride_a_scale, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row, stride_out,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr,
+    GATED: tl.constexpr, CLIP: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
 ):
@@ -111,6 +112,9 @@ def _grouped_gemm_kernel(
                                            stride_scale_row, FP8, SCALE_GROUP)
             acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
     if GATED:
+        if CLIP:
+            acc = tl.minimum(acc, swiglu_limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
         acc = acc * tl.sigmoid(acc) * acc_up
     if WEIGHTED:  # the pair's row of the output, scaled by its routing weight
         acc = acc * tl.load(route_weights_ptr + pairs, mask=live, other=0.0)[:, None]
@@ -125,7 +129,7 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: Optional[torch.Tensor],
                  out: torch.Tensor, aligned: AlignedPairs, top_k: int, tile: Tile, *, gated: bool,
-                 route_weights: Optional[torch.Tensor] = None) -> None:
+                 route_weights: Optional[torch.Tensor] = None, swiglu_limit: Optional[float] = None) -> None:
     """Write ``out`` from every used block of ``aligned`` (block_m = len(sorted_pairs) / len(block_experts)).
 
     a: [T, K] (gathered by token: the gate/up GEMM, ``gated``) or [rows, K] in aligned order (the
@@ -133,6 +137,7 @@ def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
     [., ceil(K/128)] fp32. w: [E, N, K] (``gated``: [E, 2n, K], gate rows then up rows), bf16 or
     e4m3 with ``w_scale`` [E, ceil(N/128), ceil(K/128)]. out: [rows, n] in aligned order, or with
     ``route_weights`` [T * top_k, N] at each pair's row (rows of invalid pairs are not written).
+    swiglu_limit: clip gate and up before ``silu(gate) * up`` (``gated`` only).
     """
     fp8 = a_scale is not None
     num_blocks = aligned.block_experts.numel()
@@ -143,13 +148,14 @@ def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
         return
     assert not fp8 or SCALE_GROUP % tile.block_k == 0, f"FP8 needs block_k dividing {SCALE_GROUP}, got {tile.block_k}"
     weighted = route_weights is not None
+    assert gated or swiglu_limit is None, "swiglu_limit clips the gated GEMM's epilogue only"
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
         a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, aligned.sorted_pairs, aligned.block_experts,
-        route_weights if weighted else out, n, k, num_blocks, top_k,
+        route_weights if weighted else out, n, k, num_blocks, top_k, 0.0 if swiglu_limit is None else swiglu_limit,
         a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
-        GATED=gated, WEIGHTED=weighted, FP8=fp8, BLOCK_M=block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, GROUP_M=tile.group_m, SCALE_GROUP=SCALE_GROUP,
+        GATED=gated, CLIP=swiglu_limit is not None, WEIGHTED=weighted, FP8=fp8, BLOCK_M=block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, SCALE_GROUP=SCALE_GROUP,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
