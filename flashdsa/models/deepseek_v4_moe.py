@@ -7,7 +7,10 @@ normalized to sum 1 and times ``routed_scaling_factor``, weight their outputs. E
 the shared one) computes ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
 
 Experts are stacked as transformers stores them: ``gate_up_proj [E, 2I, H]`` (gate rows, then up
-rows) and ``down_proj [E, H, I]``. Reference mode: each used expert runs on its tokens in turn.
+rows) and ``down_proj [E, H, I]``. Two ways to run the routed experts (:class:`DeepseekV4MoE`):
+the fused path, ``runtime.moe.fused_moe`` (Triton grouped GEMMs on a GPU, the clip in their
+epilogue, no host sync), and the reference loop (:meth:`Experts.forward`, each used expert on its
+tokens in turn, a host sync per step; differentiable, for reference mode and fine-tuning).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
+from flashdsa.runtime.moe import fused_moe
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -36,7 +40,8 @@ class SharedExpert(nn.Module):
 
 
 class Router(nn.Module):
-    """``x: [T, H]`` (and the token ids for hash routing) -> (weights [T, k] fp32, experts [T, k] int64)."""
+    """``x: [T, H]`` (and the token ids for hash routing) -> (weights [T, k] fp32, experts [T, k] int32),
+    on the device: no host sync."""
 
     def __init__(self, config: DeepseekV4Config, hashed: bool):
         super().__init__()
@@ -59,7 +64,7 @@ class Router(nn.Module):
         else:
             experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, experts)
-        return weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale, experts
+        return weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale, experts.to(torch.int32)
 
 
 class Experts(nn.Module):
@@ -81,6 +86,14 @@ class Experts(nn.Module):
 
 
 class DeepseekV4MoE(nn.Module):
+    """Routed experts plus the shared expert; ``x: [T, H]`` -> ``[T, H]``.
+
+    The model does not tell the MoE its mode, so the MoE decides from what it is given: bf16
+    activations with autograd off (production mode, whose weights are bf16) run the routed experts
+    through ``fused_moe``, graph-capturable (no host sync); anything else (fp32 reference mode,
+    or autograd on: fine-tuning) runs the differentiable reference loop. A bf16 model in reference
+    mode therefore takes the fused path too: it computes the same function, in fp32 accumulation."""
+
     def __init__(self, config: DeepseekV4Config, hashed: bool):
         super().__init__()
         c = config
@@ -91,4 +104,9 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x: [T, H]``, ``input_ids: [T]`` (hash routing reads them) -> ``[T, H]``."""
         weights, experts = self.gate(x, input_ids)
-        return self.experts(x, weights, experts) + self.shared_experts(x)
+        if x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+            routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
+                               swiglu_limit=self.experts.limit)
+        else:
+            routed = self.experts(x, weights, experts)
+        return routed + self.shared_experts(x)
