@@ -65,7 +65,8 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
     rms = want.square().mean().sqrt().item()
     err = (got - want).abs()
     bad = err > 2**-6 * rms + 2**-6 * want.abs()
-    assert not bad.any(), f"seed {SEED}: {int(bad.sum())}/{bad.numel()} off, max err {err.max().item():.3g} (rms {rms:.3g})"
+    assert not bad.any(), (f"seed {SEED}: {int(bad.sum())}/{bad.numel()} off, max err {err.max().item():.3g} "
+                           f"(rms {rms:.3g})")
 
 
 @pytest.mark.parametrize("hashed", [False, True])
