@@ -13,7 +13,10 @@ Two layouts are read (told apart by their names):
 Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.scale``, ue8m0 or
 fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the routed experts FP4
 (``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
-inputs, ``runtime.fp4``), dequantized one tensor at a time into the model's storage.
+inputs, ``runtime.fp4``), dequantized one tensor at a time into the model's storage. In production
+mode the official layout's FP8 routed experts stay e4m3 with their scales (``fused_moe``'s FP8
+path) when ``moe_intermediate_size`` is a multiple of 128 (a 128-row scale block must not straddle
+an expert's gate and up rows).
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from tqdm import tqdm
 
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
+from flashdsa.models.deepseek_v4_moe import Experts
+from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.models.loader import checkpoint_files, dequantize_blocks
 from flashdsa.runtime.fp4 import dequantize_fp4
+from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 
 logger = logging.getLogger(__name__)
@@ -123,12 +129,51 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
+def _fp8_experts(where: dict[str, Path], config: DeepseekV4Config) -> bool:
+    """Whether the checkpoint's routed experts are official-layout e4m3 that can stay FP8."""
+    first = next((n for n in where if _EXPERT.match(n)), None)
+    if first is None:
+        return False
+    with safe_open(where[first], framework="pt") as f:
+        fp8 = f.get_slice(first).get_dtype() == "F8_E4M3"
+    if fp8 and config.moe_intermediate_size % GROUP:
+        logger.info("FP8 experts dequantized: moe_intermediate_size %d is not a multiple of %d",
+                    config.moe_intermediate_size, GROUP)
+    return fp8 and config.moe_intermediate_size % GROUP == 0
+
+
+def _keep_fp8_experts(model: DeepseekV4ForCausalLM, pow2_scales: bool) -> None:
+    """Give every MoE layer of ``model`` (on the meta device) e4m3 expert stacks with block scales."""
+    c = model.config
+    for layer in [*model.model.layers, *model.mtp]:
+        layer.mlp.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.swiglu_limit,
+                                    fp8=True, pow2_scales=pow2_scales)
+
+
+def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Tensor:
+    """The rows of ``stack`` (a weight or its scales) one checkpoint tensor fills."""
+    if expert is None:
+        return stack
+    rows = stack[expert]
+    return rows if half is None else rows.chunk(2)[half]
+
+
+def _read_fp8(f, name: str, where: dict[str, Path]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 tensor ``name`` as stored, and its block scales as fp32."""
+    kind, scale = f.get_slice(name).get_dtype(), _scale_name(name, where)
+    if kind != "F8_E4M3" or scale is None:
+        raise ValueError(f"{name}: FP8 experts need every expert in e4m3 with block scales, got {kind}")
+    with safe_open(where[scale], framework="pt") as g:
+        return f.get_tensor(name), g.get_tensor(scale).float()
+
+
 def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                  mtp: bool = False, mode: str = "reference") -> DeepseekV4ForCausalLM:
+                  mtp: bool = False, mode: str = "reference", keep_fp8: bool = True) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout)
-    in ``mode`` ("reference": fp32 by default; "production": bf16 by default, FP8 caches); ``mtp``
-    also loads its multi-token-prediction layers. Raises ValueError naming every missing,
-    unexpected or mis-shaped tensor, and for FP4 experts."""
+    in ``mode`` ("reference": fp32 by default; "production": bf16 by default, FP8 caches, and FP8
+    routed experts kept e4m3 unless ``keep_fp8`` is False); ``mtp`` also loads its
+    multi-token-prediction layers. Raises ValueError naming every missing, unexpected or
+    mis-shaped tensor."""
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
     if mtp and config.num_nextn_predict_layers < 1:
@@ -136,13 +181,16 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
     with torch.device("meta"):
         dtype = dtype or (torch.bfloat16 if mode == "production" else torch.float32)
         model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0, mode)
-    model.to_empty(device=device)
-    dests = model.state_dict(keep_vars=True)
     files = checkpoint_files(path)
     where = {}
     for file in files:
         with safe_open(file, framework="pt") as f:
             where.update((name, file) for name in f.keys())
+    if mode == "production" and keep_fp8 and _fp8_experts(where, config):
+        with torch.device("meta"):
+            _keep_fp8_experts(model, (config.quantization_config or {}).get("scale_fmt") == "ue8m0")
+    model.to_empty(device=device)
+    dests = model.state_dict(keep_vars=True)
     scales = {s for n in where if (s := _scale_name(n, where))}
     loaded, unexpected, misshaped, skipped = set(), [], [], 0
     for file in tqdm(files, desc="loading shards", unit="file", leave=False):
@@ -158,18 +206,21 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
                     unexpected.append(name)
                     continue
                 own, expert, half = target
-                dest = dests[own].data
-                if expert is not None:
-                    dest = dest[expert]
-                    if half is not None:
-                        rows = dest.shape[0] // 2
-                        dest = dest[half * rows:(half + 1) * rows]
-                t = _read(f, name, where)
-                if t.shape != dest.shape:
-                    misshaped.append(f"{name}: expected {list(dest.shape)}, got {list(t.shape)}")
+                parts = {own: _slot(dests[own].data, expert, half)}  # model tensor -> the rows to fill
+                if parts[own].dtype == E4M3:  # FP8 experts kept: the e4m3 rows and their scales
+                    parts[own + SCALE_SUFFIX] = _slot(dests[own + SCALE_SUFFIX].data, expert, half)
+                    tensors = _read_fp8(f, name, where)
+                else:
+                    tensors = (_read(f, name, where),)
+                bad = [f"{list(d.shape)}, got {list(t.shape)}" for d, t in zip(parts.values(), tensors)
+                       if d.shape != t.shape]
+                if bad:
+                    misshaped.append(f"{name}: expected {bad[0]}")
                     continue
-                dest.copy_(t.to(device))
-                loaded |= _expected(own, dest) if expert is None else {f"{own}[{expert}]{'' if half is None else half}"}
+                for (part, dest), t in zip(parts.items(), tensors):
+                    dest.copy_(t.to(device))
+                    which = f"[{expert}]{'' if half is None else half}"
+                    loaded |= _expected(part, dest) if expert is None else {part + which}
     missing = [n for n in dests if not _expected(n, dests[n]) <= loaded]
     _check(path, missing, unexpected, misshaped)
     if skipped:
@@ -179,9 +230,9 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
 
 def _expected(name: str, t: torch.Tensor) -> set[str]:
     """What must be loaded to fill model tensor ``name``: itself, or each expert (and half) of a stack."""
-    if name.endswith("mlp.experts.gate_up_proj"):
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj" + SCALE_SUFFIX)):
         return {f"{name}[{e}]{h}" for e in range(t.shape[0]) for h in (0, 1)}
-    if name.endswith("mlp.experts.down_proj"):
+    if name.endswith(("mlp.experts.down_proj", "mlp.experts.down_proj" + SCALE_SUFFIX)):
         return {f"{name}[{e}]" for e in range(t.shape[0])}
     return {name}
 

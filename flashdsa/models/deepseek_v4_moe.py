@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
+from flashdsa.models.linear import SCALE_SUFFIX
+from flashdsa.runtime.fp8 import E4M3
+from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.moe import fused_moe
 
 
@@ -68,11 +71,32 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float):
+    """The routed experts, stacked. With ``fp8`` (an FP8 checkpoint loaded for production) the
+    weights stay e4m3 with fp32 scales per 128x128 block, ``gate_up_proj_scale_inv [E, 2I/128,
+    ceil(H/128)]`` and ``down_proj_scale_inv [E, ceil(H/128), I/128]``, and run only through
+    ``fused_moe`` (activations quantized per token and 128 channels, power-of-two scales with
+    ``pow2_scales``)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float, fp8: bool = False,
+                 pow2_scales: bool = False):
         super().__init__()
-        self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        if fp8 and intermediate % GROUP:
+            raise ValueError(f"FP8 experts need moe_intermediate_size a multiple of {GROUP}, got {intermediate}")
+        self.limit, self.fp8, self.pow2_scales = limit, fp8, pow2_scales
+        dtype = E4M3 if fp8 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
+                                         requires_grad=not fp8)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype),
+                                      requires_grad=not fp8)
+        if fp8:
+            blocks, inter_blocks = -(-hidden // GROUP), intermediate // GROUP
+            self.register_buffer("gate_up_proj" + SCALE_SUFFIX, torch.empty(num_experts, 2 * inter_blocks, blocks))
+            self.register_buffer("down_proj" + SCALE_SUFFIX, torch.empty(num_experts, blocks, inter_blocks))
+
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.fp8:
+            return None, None
+        return getattr(self, "gate_up_proj" + SCALE_SUFFIX), getattr(self, "down_proj" + SCALE_SUFFIX)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``x: [T, H]``, ``weights, experts: [T, k]`` -> ``sum_k weights * expert_k(x)``, ``[T, H]``."""
@@ -89,10 +113,12 @@ class DeepseekV4MoE(nn.Module):
     """Routed experts plus the shared expert; ``x: [T, H]`` -> ``[T, H]``.
 
     The model does not tell the MoE its mode, so the MoE decides from what it is given: bf16
-    activations with autograd off (production mode, whose weights are bf16) run the routed experts
-    through ``fused_moe``, graph-capturable (no host sync); anything else (fp32 reference mode,
-    or autograd on: fine-tuning) runs the differentiable reference loop. A bf16 model in reference
-    mode therefore takes the fused path too: it computes the same function, in fp32 accumulation."""
+    activations with autograd off (production mode, whose weights are bf16 or FP8) run the routed
+    experts through ``fused_moe``, graph-capturable (no host sync); anything else (fp32 reference
+    mode, or autograd on: fine-tuning) runs the differentiable reference loop. A bf16 model in
+    reference mode therefore takes the fused path too: it computes the same function, in fp32
+    accumulation. FP8 experts outside the fused path run ``fused_moe``'s reference backend on the
+    weights dequantized per expert (differentiable in x)."""
 
     def __init__(self, config: DeepseekV4Config, hashed: bool):
         super().__init__()
@@ -104,9 +130,11 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x: [T, H]``, ``input_ids: [T]`` (hash routing reads them) -> ``[T, H]``."""
         weights, experts = self.gate(x, input_ids)
-        if x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            routed = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
-                               swiglu_limit=self.experts.limit)
+        fused = x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+        if fused or self.experts.fp8:
+            e = self.experts
+            routed = fused_moe(x, e.gate_up_proj, e.down_proj, weights, experts, *e.scales(), pow2_scales=e.pow2_scales,
+                               quantize_activations=fused, swiglu_limit=e.limit, backend=None if fused else "reference")
         else:
             routed = self.experts(x, weights, experts)
         return routed + self.shared_experts(x)
