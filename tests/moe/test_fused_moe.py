@@ -48,7 +48,9 @@ def test_reference_clipped_swiglu_matches_the_dense_restatement(fp8):
     limit = 0.5
     assert_clip_matters(args, limit)
     got = fused_moe(**args, swiglu_limit=limit, backend="reference")
-    close_to_dense(got, dense_moe(**args, swiglu_limit=limit), 2**-4 if fp8 else 2**-6)
+    # FP8: the input and the clipped intermediate are both rounded to e4m3; over 150 seeds the worst
+    # element was 9.2% of the output scale (2^-4 failed on one seed in about ten)
+    close_to_dense(got, dense_moe(**args, swiglu_limit=limit), 2**-3 if fp8 else 2**-6)
     if fp8:
         dequantized = fused_moe(**args, quantize_activations=False, swiglu_limit=limit, backend="reference")
         close_to_dense(dequantized, dense_moe(**args, swiglu_limit=limit), 2**-6)
