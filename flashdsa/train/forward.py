@@ -88,10 +88,10 @@ def training_forward(
     default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
     step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
                  attention_dtype or default_dtype, backend, checkpointing, next_ids)
-    return _bound(model, model_forward)(input_ids, step)
+    return bound_forward(model, model_forward)(input_ids, step)
 
 
-def _bound(module, forward):
+def bound_forward(module, forward):
     """``forward`` bound to ``module``: its FSDP-wrapped ``SHARDED_FORWARD`` when it has one."""
     return getattr(module, SHARDED_FORWARD, None) or partial(forward, module)
 
@@ -118,7 +118,7 @@ def model_forward(model, input_ids: torch.Tensor, step: _Step) -> TrainOutput:
 def _run_layer(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer (its FSDP-sharded forward when wrapped), recomputed in the backward when
     ``step.checkpointing``."""
-    forward = _bound(layer, layer_forward)
+    forward = bound_forward(layer, layer_forward)
     if step.checkpointing and torch.is_grad_enabled():
         return checkpoint(forward, h, step, use_reentrant=False)
     return forward(h, step)
