@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from flashdsa.train.attention_v4 import V4Step, v4_attention
-from flashdsa.train.forward import ATTENTION_MODES, TrainOutput, bound_forward
+from flashdsa.train.forward import TrainOutput, bound_forward, token_positions
 
 
 def training_forward_v4(
@@ -35,15 +35,10 @@ def training_forward_v4(
     checkpointing: recompute each layer in the backward. backend: None or "reference" (the only
     V4 attention with a backward). next_ids: [B, L] int64, the token after each input: runs the MTP layer.
     """
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if backend not in (None, "reference"):
         raise ValueError(f"backend must be None or 'reference' for DeepSeek-V4 training (no V4 attention backward "
                          f"kernel exists), got {backend!r}")
-    if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
-        raise ValueError(f"input_ids must be int64 [B, L], got {input_ids.dtype} {list(input_ids.shape)}")
-    batch, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device).repeat(batch)  # [T]
+    batch, length, positions = token_positions(input_ids, attention)
     sequence = torch.arange(batch, device=input_ids.device).repeat_interleave(length)
     step = V4Step(batch, length, positions, sequence, model.ropes, {k: rope(positions) for k, rope in model.ropes.items()},
                   attention, indexer_loss)
