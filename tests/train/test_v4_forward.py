@@ -35,7 +35,7 @@ def test_sparse_training_forward_equals_the_reference_forward(v4, length):
     out = training_forward_v4(v4, ids[:, :-1], "sparse", indexer_loss=True, next_ids=ids[:, 1:])
     for b in range(2):
         cache = v4.new_cache()
-        ref = v4(ids[b, :-1], cache)
+        ref = v4.forward_sequence(ids[b, :-1], cache)
         torch.testing.assert_close(out.logits[b], ref.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.mtp_logits[b], v4.mtp_forward(ids[b, 1:], ref.streams, cache), rtol=1e-5, atol=1e-5)
     assert torch.isfinite(out.indexer_kl) and (out.indexer_kl > 0) == (length >= 4 * 2)
@@ -51,7 +51,7 @@ def test_dense_attention_is_the_reference_when_the_indexer_keeps_every_entry(tin
         if hasattr(getattr(layer.self_attn, "compressor", None), "indexer"):
             layer.self_attn.compressor.indexer.topk = 1000
     for b in range(2):
-        torch.testing.assert_close(dense_logits[b], model(ids[b]).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_logits[b], model.forward_sequence(ids[b]).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_v4_dir):
