@@ -111,3 +111,17 @@ def test_sparse_stage_keeps_the_main_model_and_the_indexers_in_separate_graphs(t
     assert all(g is None for g in grad(losses["indexer_kl"], main))
     assert all(g is None for g in grad(losses["lm_loss"], indexer))
     assert sum(g.abs().sum() for g in grad(losses["indexer_kl"], indexer) if g is not None) > 0
+
+
+def test_hyper_connection_mixing_stays_fp32_under_the_training_autocast(v4):
+    """The loop trains under bf16 autocast on CUDA; the mHC mixing weights (fp32 in DeepSeek-V4)
+    must not be rounded by it. CPU autocast takes the same path."""
+    layer, head = v4.model.layers[0].attn_hc, v4.model.hc_head
+    h = torch.randn(16, v4.config.hc_mult, v4.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = [*layer(h), head(h)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = [*layer(h), head(h)]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
