@@ -14,8 +14,10 @@ alone: KL(p_t || softmax(I_t)) with p_t the attention weight of each compressed 
 and the sink left out) summed over heads and L1-normalised, over every visible entry (dense) or
 the selected ones (sparse); queries that see no entry yet are left out of the mean. The attention
 core is ``sparse_sink_attention`` checkpointed per ``QUERY_CHUNK`` queries, so the backward never
-holds more than one chunk's gathered rows; the indexer's dense scores are ``[L, L / ratio]`` per
-sequence. There is no fused (Triton) V4 backward: this is the reference computation.
+holds more than one chunk's gathered rows. The sparse stage selects from ``SELECT_CHUNK`` score
+rows at a time and differentiates only the selected entries' scores; the dense warm-up
+differentiates every visible entry's (``[L, H_I, L / ratio]`` per sequence). There is no fused
+(Triton) V4 backward: this is the reference computation.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from flashdsa.models.deepseek_v4_attention import (QUERY_CHUNK, DeepseekV4Attent
                                                    sparse_sink_attention)
 from flashdsa.models.deepseek_v4_compressor import CompressorState, select_topk, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA
+from flashdsa.train.indexer import SELECT_CHUNK
 from flashdsa.train.losses import indexer_kl
 
 
@@ -87,14 +90,12 @@ def _index(attn: DeepseekV4Attention, x: torch.Tensor, q_residual: torch.Tensor,
     indexer, B, L = attn.compressor.indexer, step.batch, step.length
     keys = [indexer(seq, CompressorState(), step.ropes["compress"]) for seq in x.view(B, L, -1)]  # B x [N, D_I]
     q, w = indexer.queries(x, q_residual, *step.angles["compress"])  # [T, H_I, D_I], [T, H_I]
-
-    def every_entry() -> torch.Tensor:  # [T, N]
-        return torch.cat([indexer.score(*args) for args in zip(q.view(B, L, *q.shape[1:]), keys, w.view(B, L, -1))])
-
-    if step.attention == "dense":
-        return every_entry(), picked
-    with torch.no_grad():
-        picked = select_topk(every_entry(), visible, indexer.topk)  # [T, k]
+    per_sequence = list(zip(q.view(B, L, *q.shape[1:]), keys, w.view(B, L, -1), visible.view(B, L)))
+    if step.attention == "dense":  # [T, N], differentiable
+        return torch.cat([indexer.score(qb, kb, wb) for qb, kb, wb, _ in per_sequence]), picked
+    with torch.no_grad():  # SELECT_CHUNK score rows at a time
+        picked = torch.cat([select_topk(indexer.score(qb[rows], kb, wb[rows]), vb[rows], indexer.topk)
+                            for qb, kb, wb, vb in per_sequence for rows in _chunks(L, SELECT_CHUNK)])  # [T, k]
     count = keys[0].shape[0]
     rows = picked.clamp_min(0) + step.sequence[:, None] * count
     chosen = torch.cat(keys).index_select(0, rows.flatten()).view(*rows.shape, -1)  # [T, k, D_I]
@@ -118,8 +119,8 @@ def _indexer_kl(attn: DeepseekV4Attention, q: torch.Tensor, pool: torch.Tensor, 
     return indexer_kl(target[seen], scores[seen], valid[seen])
 
 
-def _chunks(total: int) -> list[slice]:
-    return [slice(start, start + QUERY_CHUNK) for start in range(0, total, QUERY_CHUNK)]
+def _chunks(total: int, size: int = QUERY_CHUNK) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, total, size)]
 
 
 def _attend(q: torch.Tensor, pool: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:

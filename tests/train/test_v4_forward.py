@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashdsa.models.deepseek_v4_loader import load_v4_model
+from flashdsa.train import attention_v4
 from flashdsa.train.forward_v4 import training_forward_v4
 from flashdsa.train.loop import TrainConfig, compute_losses, make_optimizer, set_trainable
 
@@ -30,7 +31,8 @@ def is_indexer(name: str) -> bool:
 
 
 @pytest.mark.parametrize("length", [5, WINDOW + 2, 300])  # no entry yet; across the window; 75 CSA entries, 2 HCA
-def test_sparse_training_forward_equals_the_reference_forward(v4, length):
+def test_sparse_training_forward_equals_the_reference_forward(v4, length, monkeypatch):
+    monkeypatch.setattr(attention_v4, "SELECT_CHUNK", 128)  # the top-k selection in several query blocks
     ids = token_batch(2, length + 1, seed=length)
     out = training_forward_v4(v4, ids[:, :-1], "sparse", indexer_loss=True, next_ids=ids[:, 1:])
     for b in range(2):
