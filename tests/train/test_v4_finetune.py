@@ -99,6 +99,21 @@ def test_add_mtp_layer_gives_a_v4_checkpoint_without_one_a_trained_layer(tiny_v4
     assert "mtp_loss" in json.loads((tmp_path / "out" / "log.jsonl").read_text().splitlines()[0])
 
 
+def test_an_fp8_checkpoint_trains_and_is_saved_unquantized(corpus, tmp_path):
+    from safetensors import safe_open
+
+    from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
+
+    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=3, fp8=True)
+    argv = finetune_argv(fp8, corpus, tmp_path / "out", "dense")
+    assert main(argv) == 0
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        assert f.get_tensor("layers.0.attn.wq_a.weight").dtype == torch.bfloat16
+        assert not any(name.endswith(".scale") for name in f.keys())
+    load_v4_model(tmp_path / "out", mtp=True)
+
+
 @pytest.fixture
 def user_error(capsys):
     def run(argv) -> str:
