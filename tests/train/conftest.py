@@ -55,7 +55,7 @@ def tiny_model_dir(tmp_path_factory, corpus):
 
 @pytest.fixture(scope="session")
 def tiny_v4_dir(tmp_path_factory):
-    """A tiny DeepSeek-V4 checkpoint (every layer type, hash and routed MoE, one MTP layer)."""
+    """A tiny DeepSeek-V4 checkpoint (every layer type, hash and routed MoE, one MTP layer, narrow attention)."""
     from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 
-    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4"), seed=3)
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4"), seed=3, small=True)  # narrow: fast

@@ -48,8 +48,8 @@ def test_export_loads_in_flashdsa_and_transformers_with_the_trained_logits(tiny_
 def make_trainer(model_dir, corpus, output, steps: int, **overrides) -> Trainer:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, held_out = split_stream(token_stream(read_documents(corpus, tokenizer), tokenizer), 0.1, SEQ_LEN)
-    cfg = TrainConfig(stage="sparse", steps=steps, lr=3e-3, seq_len=SEQ_LEN, batch_tokens=2 * SEQ_LEN,
-                      eval_every=1000, eval_tokens=2 * SEQ_LEN, **overrides)
+    settings = dict(lr=3e-3, seq_len=SEQ_LEN, batch_tokens=2 * SEQ_LEN, eval_every=1000, eval_tokens=2 * SEQ_LEN)
+    cfg = TrainConfig(stage="sparse", steps=steps, **{**settings, **overrides})
     source = ckpt.latest_checkpoint(output) or model_dir
     trainer = Trainer(load_trainable(source, "cpu"), train, held_out, cfg, output, model_dir, "cpu")
     if source != model_dir:
@@ -58,10 +58,10 @@ def make_trainer(model_dir, corpus, output, steps: int, **overrides) -> Trainer:
 
 
 def test_resume_continues_bit_for_bit(tiny_v4_dir, corpus, tmp_path):
-    straight = make_trainer(tiny_v4_dir, corpus, tmp_path / "straight", 4, save_every=2)
+    straight = make_trainer(tiny_v4_dir, corpus, tmp_path / "straight", 4, save_every=2, batch_tokens=SEQ_LEN)
     straight.train()
     shutil.copytree(ckpt.checkpoint_dir(tmp_path / "straight", 2), ckpt.checkpoint_dir(tmp_path / "resumed", 2))
-    resumed = make_trainer(tiny_v4_dir, corpus, tmp_path / "resumed", 4)
+    resumed = make_trainer(tiny_v4_dir, corpus, tmp_path / "resumed", 4, batch_tokens=SEQ_LEN)
     assert resumed.step == 2 and resumed.model.has_mtp
     resumed.train()
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
@@ -86,6 +86,20 @@ def test_finetune_command_trains_and_saves_a_v4_checkpoint(tiny_v4_dir, corpus, 
     trained, start = load_v4_model(out, mtp=True).state_dict(), load_v4_model(tiny_v4_dir, mtp=True).state_dict()
     changed = {n for n in trained if not torch.equal(trained[n], start[n])}
     assert changed and all(".indexer." in n for n in changed)  # warm-up: the CSA indexers alone
+    argv = finetune_argv(tiny_v4_dir, corpus, out)
+    assert main([*argv[: argv.index("--steps") + 1], "3", *argv[argv.index("--steps") + 2 :], "--resume"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_keep_best_ends_on_the_best_evaluated_weights(tiny_v4_dir, corpus, tmp_path, monkeypatch):
+    from flashdsa.train import loop
+
+    scripted = iter([3.0, 1.0, 2.0])  # held-out losses of steps 1, 2, 3: step 2 is the best
+    monkeypatch.setattr(loop, "evaluate", lambda *args: {"eval_loss": next(scripted)})
+    trainer = make_trainer(tiny_v4_dir, corpus, tmp_path, 3, keep_best=True, eval_every=1, save_every=1)
+    assert trainer.train()["best_eval_loss"] == 1.0
+    step2 = load_trainable(ckpt.checkpoint_dir(tmp_path, 2), "cpu").state_dict()
+    assert all(torch.equal(step2[name], t) for name, t in trainer.model.state_dict().items())
 
 
 def test_add_mtp_layer_gives_a_v4_checkpoint_without_one_a_trained_layer(tiny_v4_dir, corpus, tmp_path):
@@ -104,7 +118,7 @@ def test_an_fp8_checkpoint_trains_and_is_saved_unquantized(corpus, tmp_path):
 
     from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 
-    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=3, fp8=True)
+    fp8 = make_tiny_v4_checkpoint(tmp_path / "fp8", seed=3, fp8=True, small=True)
     argv = finetune_argv(fp8, corpus, tmp_path / "out", "dense")
     assert main(argv) == 0
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
