@@ -40,16 +40,13 @@ def forwards(model) -> tuple[Callable, Callable, Callable]:
 
 def read_v4_checkpoint(path: Path) -> DeepseekV4Config:
     """The config of the V4 checkpoint directory ``path``, once it is seen to be trainable: an
-    ArgumentError naming ``--model`` otherwise (FP4 experts, no weights, no tokenizer)."""
+    ArgumentError naming ``--model`` otherwise (a bad config, no weights, no tokenizer)."""
     from flashdsa.models.loader import checkpoint_files
     from flashdsa.models.resolve import TOKENIZER_FILES
 
     with blame("--model", (ValueError, TypeError)):
         config = DeepseekV4Config.from_json(path)
         checkpoint_files(path)
-    if config.expert_dtype == "fp4":
-        raise ArgumentError("--model", f"{path} stores its experts in FP4 (expert_dtype fp4), which fine-tuning "
-                                       f"cannot load yet; convert them to bf16 or FP8 e4m3 with 128x128 block scales")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise ArgumentError("--model", f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     return config

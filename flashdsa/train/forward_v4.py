@@ -1,7 +1,7 @@
 """DeepSeek-V4's training forward: whole sequences ``[B, L]``, no cache, under autograd.
 
 The inference model's own modules and weights over the batch flattened to T = B * L tokens:
-embedding copied into ``hc_mult`` streams, each ``DecoderLayer.run`` (hyper-connections, norms,
+embedding copied into ``hc_mult`` streams, each ``DecoderLayer.forward`` (hyper-connections, norms,
 hash or score-routed MoE) around the training attention of ``attention_v4`` (sliding window,
 HCA, CSA dense or sparse, sinks), the hyper head, final norm and lm_head. Given the tokens that
 follow the inputs, the first MTP layer runs on the last layer's streams and returns its draft
@@ -85,4 +85,4 @@ def layer_forward_v4(layer, h: torch.Tensor, ids: torch.Tensor, step: V4Step) ->
         kl.append(loss)
         return y
 
-    return layer.run(h, ids, attend), kl[0]
+    return layer.forward(h, ids, attend), kl[0]  # not layer(...): under FSDP this runs inside its sharded forward

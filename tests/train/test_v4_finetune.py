@@ -130,22 +130,39 @@ def test_an_fp8_checkpoint_trains_and_is_saved_unquantized(corpus, tmp_path):
 
 @pytest.fixture
 def user_error(capsys):
+    """Run ``flashdsa argv``; it must exit 2 with one error line (progress bars aside), no traceback."""
     def run(argv) -> str:
         capsys.readouterr()
         assert main([str(a) for a in argv]) == 2
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert len(lines) == 1, lines
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "error" in line.lower()]
+        assert len(lines) == 1 and "Traceback" not in err, err
         return lines[0]
     return run
 
 
-def test_fp4_experts_are_refused_naming_the_model(user_error, tiny_v4_dir, corpus, tmp_path):
-    fp4 = tmp_path / "fp4"
-    shutil.copytree(tiny_v4_dir, fp4)
-    config = json.loads((fp4 / "config.json").read_text())
-    (fp4 / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp4"}))
-    line = user_error(finetune_argv(fp4, corpus, tmp_path / "out"))
-    assert "argument --model:" in line and "FP4" in line, line
+@pytest.mark.parametrize("damage, says", [
+    ("config", "o_groups (3) must divide num_attention_heads"),
+    ("tensor", "does not match the DeepSeek-V4 model: missing"),
+    ("tokenizer", "has no tokenizer"),
+])
+def test_a_broken_v4_checkpoint_is_refused_naming_the_model(user_error, tiny_v4_dir, corpus, tmp_path, damage, says):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_v4_dir, broken)
+    if damage == "config":
+        config = json.loads((broken / "config.json").read_text())
+        (broken / "config.json").write_text(json.dumps({**config, "o_groups": 3}))
+    elif damage == "tensor":
+        weights = load_file(broken / "model.safetensors")
+        del weights["layers.1.attn.indexer.wq_b.weight"]
+        save_file(weights, broken / "model.safetensors")
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (broken / name).unlink(missing_ok=True)
+    line = user_error(finetune_argv(broken, corpus, tmp_path / "out"))
+    assert "argument --model:" in line and says in line, line
 
 
 @pytest.mark.parametrize("flag, value, says", [
