@@ -11,7 +11,6 @@ from typing import Callable, Optional
 
 import torch
 
-from flashdsa.errors import ArgumentError, blame
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM, keeps_fp32
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config, model_type
 from flashdsa.train.forward import layer_forward, model_forward, training_forward
@@ -22,34 +21,11 @@ def is_v4(model) -> bool:
     return isinstance(model, DeepseekV4ForCausalLM)
 
 
-def is_v4_checkpoint(path: Path) -> bool:
-    """Whether ``path`` holds a DeepSeek-V4 checkpoint (False for anything else, a broken one
-    included: the V3.2 reader reports what is wrong with it)."""
-    try:
-        return model_type(path) == "deepseek_v4"
-    except (ValueError, OSError):
-        return False
-
-
 def forwards(model) -> tuple[Callable, Callable, Callable]:
     """``(training_forward, model_forward, layer_forward)`` of the model's architecture."""
     if is_v4(model):
         return training_forward_v4, model_forward_v4, layer_forward_v4
     return training_forward, model_forward, layer_forward
-
-
-def read_v4_checkpoint(path: Path) -> DeepseekV4Config:
-    """The config of the V4 checkpoint directory ``path``, once it is seen to be trainable: an
-    ArgumentError naming ``--model`` otherwise (a bad config, no weights, no tokenizer)."""
-    from flashdsa.models.loader import checkpoint_files
-    from flashdsa.models.resolve import TOKENIZER_FILES
-
-    with blame("--model", (ValueError, TypeError)):
-        config = DeepseekV4Config.from_json(path)
-        checkpoint_files(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ArgumentError("--model", f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
-    return config
 
 
 def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.Module:
@@ -59,7 +35,7 @@ def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.M
     from flashdsa.models.deepseek_v4_loader import load_v4_model
     from flashdsa.models.loader import load_model
 
-    v4 = is_v4_checkpoint(path)
+    v4 = model_type(path) == "deepseek_v4"
     if mtp is None:
         config = (DeepseekV4Config if v4 else DeepseekV32Config).from_json(path)
         mtp = config.num_nextn_predict_layers > 0

@@ -97,9 +97,8 @@ def read_data(path: Path, tokenizer, eval_fraction: float, seq_len: int) -> tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdsa.models.resolve import (LOAD_ERRORS, load_tokenizer, load_weights, parse_device, read_checkpoint,
-                                         resolve_model)
-    from flashdsa.train.architecture import add_mtp_layer, is_v4_checkpoint, load_trainable, read_v4_checkpoint
+    from flashdsa.models.resolve import is_v4, load_tokenizer, load_weights, parse_device, read_checkpoint, resolve_model
+    from flashdsa.train.architecture import add_mtp_layer
     from flashdsa.train import checkpoint as ckpt
     from flashdsa.train.init import initialize
     from flashdsa.train.distributed import join, leave
@@ -107,10 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
     world = join(parse_device(args.device))
     model_dir = resolve_model(args.model)
-    v4 = is_v4_checkpoint(model_dir)
-    config = read_v4_checkpoint(model_dir) if v4 else read_checkpoint(model_dir)
+    config = read_checkpoint(model_dir)  # a V3.2 or V4 config, told apart by model_type
     cfg = train_config(args, config.max_position_embeddings)
-    if v4 and args.backend not in (None, "reference"):
+    if is_v4(config) and args.backend not in (None, "reference"):
         raise ArgumentError("--backend", f"DeepSeek-V4 training runs the reference (plain torch) attention: no "
                                          f"{args.backend} V4 attention backward exists; pass reference or leave it out")
     has_mtp = config.num_nextn_predict_layers > 0
@@ -129,13 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and resumed is None:
         raise ArgumentError("--resume", f"no checkpoint that loads under {args.output / ckpt.CHECKPOINTS}; "
                                         f"run without --resume to start afresh")
-    if resumed:
-        model = resumed[1]
-    elif v4:
-        with blame("--model", LOAD_ERRORS):
-            model = load_trainable(model_dir, load_to, has_mtp)
-    else:
-        model = load_weights(model_dir, load_to, "reference", mtp=has_mtp)
+    model = resumed[1] if resumed else load_weights(model_dir, load_to, "reference", mtp=has_mtp)
     if args.add_mtp_layer and resumed is None:
         initialize(add_mtp_layer(model), seed=args.seed, depth=model.config.num_hidden_layers)
     with blame("--data", (ValueError,)):  # too few tokens for one batch
