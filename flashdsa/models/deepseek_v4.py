@@ -143,6 +143,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether a multi-token-prediction layer is loaded (the training loop trains the first)."""
+        return len(self.mtp) > 0
+
     def new_cache(self) -> V4Cache:
         return V4Cache([AttentionState() for _ in self.model.layers], [AttentionState() for _ in self.mtp])
 

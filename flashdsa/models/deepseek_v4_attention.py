@@ -50,13 +50,20 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
     for start in range(0, q.shape[0], QUERY_CHUNK):
         rows = slice(start, start + QUERY_CHUNK)
         keys = torch.cat([pool[idx[rows]] for (pool, _), idx in zip(pools, safe)], dim=1).float()  # [s, K, D]
-        ok = torch.cat([v[rows] for v in valid], dim=1)
-        scores = torch.einsum("shd,skd->shk", q[rows].float(), keys) * sm_scale
-        scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
-        sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = sink_probabilities(q[rows], keys, torch.cat([v[rows] for v in valid], dim=1), sinks, sm_scale)
         out[rows] = torch.einsum("shk,skd->shd", probs, keys).to(q.dtype)
     return out
+
+
+def sink_probabilities(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
+                       sm_scale: float) -> torch.Tensor:
+    """The weights ``p [S, H, K]`` fp32 of :func:`sparse_sink_attention` for queries ``q: [S, H, D]``
+    over their gathered rows ``keys: [S, K, D]`` fp32 (``valid: [S, K]`` bool; 0 where False); the
+    sink's share is left out, so a row sums to less than 1."""
+    scores = torch.einsum("shd,skd->shk", q.float(), keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 class RopeTable:

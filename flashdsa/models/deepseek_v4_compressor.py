@@ -126,15 +126,20 @@ class Indexer(Compressor):
         """Top-k compressed entries for each query: ``[S, min(index_topk, N)]`` int64, -1 where fewer
         than k entries are visible. ``x: [S, hidden]``, ``q_residual: [S, q_lora_rank]``."""
         keys = self(x, state, cos_sin)  # [N, head_dim]
-        q = self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim)
-        q = rope_tail(q, *cos_sin(positions))
-        weights = self.scorer.weights_proj(x).float() * self.heads**-0.5  # [S, heads]
+        q, weights = self.queries(x, q_residual, *cos_sin(positions))
         return self.choice(select_topk(self.score(q, keys, weights), visible_entries(positions, self.ratio), self.topk))
+
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``(q [S, heads, head_dim] RoPE'd, weights [S, heads] fp32)`` of the queries ``x: [S, hidden]``,
+        ``q_residual: [S, q_lora_rank]`` at RoPE angles ``cos, sin: [S, R/2]``."""
+        q = rope_tail(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), cos, sin)
+        return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """fp32 scores ``[S, N]`` of queries ``q: [S, heads, head_dim]`` (RoPE'd) against ``keys: [N,
-        head_dim]`` with head weights ``weights: [S, heads]`` fp32 (``heads^-0.5`` folded in)."""
-        scores = F.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * self.head_dim**-0.5
+        head_dim]`` (or per query, ``[S, N, head_dim]``: training scores each query's selected
+        entries) with head weights ``weights: [S, heads]`` fp32 (``heads^-0.5`` folded in)."""
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.head_dim**-0.5
         return torch.einsum("shn,sh->sn", scores, weights)
 
 

@@ -104,6 +104,24 @@ def official_names(config: DeepseekV4Config, model_names: list[str]) -> dict[str
     return inverse
 
 
+def official_tensors(config: DeepseekV4Config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors (its state dict) under the official names, each stacked expert tensor
+    split into the per-expert ``w1`` / ``w3`` (the halves of ``gate_up_proj``) and ``w2``."""
+    names = official_names(config, list(tensors))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            prefix = name.removeprefix("model.").split(".mlp.experts.")[0] + ".ffn.experts."
+            for e in range(t.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    out[f"{prefix}{e}.w1.weight"], out[f"{prefix}{e}.w3.weight"] = t[e].chunk(2)
+                else:
+                    out[f"{prefix}{e}.w2.weight"] = t[e]
+        else:
+            out[names[name]] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
 def _scale_name(name: str, where: dict[str, Path]) -> str | None:
     for candidate in (name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None,
                       name + "_scale_inv"):

@@ -21,7 +21,7 @@ import torch
 
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM, keeps_fp32
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
-from flashdsa.models.deepseek_v4_loader import official_names
+from flashdsa.models.deepseek_v4_loader import official_tensors
 from flashdsa.models.loader import dequantize_blocks
 from flashdsa.models.tiny import save_shards
 from flashdsa.models.tiny_tokenizer import save_tokenizer
@@ -74,22 +74,13 @@ def random_v4_weights(config: DeepseekV4Config, seed: int, device: str | torch.d
     gen = torch.Generator(device).manual_seed(seed)
     with torch.device("meta"):
         shapes = {n: t.shape for n, t in DeepseekV4ForCausalLM(config, mtp_layers=mtp_layers).state_dict().items()}
-    names = official_names(config, list(shapes))
     out = {}
     for name, shape in filter(lambda item: only(item[0]), shapes.items()):
         t = _init(name, shape, gen, config)
         if t.is_floating_point():
             t = t.float() if keeps_fp32(name) else t.to(torch.bfloat16)
-        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-            prefix = name.removeprefix("model.").split(".mlp.experts.")[0] + ".ffn.experts."
-            for e in range(shape[0]):
-                if name.endswith("gate_up_proj"):
-                    out[f"{prefix}{e}.w1.weight"], out[f"{prefix}{e}.w3.weight"] = t[e].chunk(2)
-                else:
-                    out[f"{prefix}{e}.w2.weight"] = t[e]
-        else:
-            out[names[name]] = t
-    return {k: v.contiguous() for k, v in out.items()}
+        out[name] = t
+    return official_tensors(config, out)
 
 
 def to_fp8_ue8m0(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

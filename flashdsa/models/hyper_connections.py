@@ -5,7 +5,8 @@ map of the RMS-normalized flattened streams gives per token ``pre [n]``, ``post 
 ``comb [n, n]``: the block reads ``sum_i pre_i h_i``, and its output ``y`` goes back as
 ``h'_k = post_k * y + sum_j comb[j, k] h_j``. ``comb`` is pushed towards a doubly-stochastic
 matrix by Sinkhorn-Knopp iterations so the mixing cannot blow the residual up. After the last
-layer :class:`HyperHead` collapses the streams with its own ``pre``. All of it runs in fp32.
+layer :class:`HyperHead` collapses the streams with its own ``pre``. All of it runs in fp32 (under
+autocast too) but the final mixing of the streams, which runs in their dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class RMSNorm(nn.Module):
         return (self.weight * h).to(x.dtype)
 
 
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` in fp32 even under autocast (training's bf16 autocast would round the mixing
+    weights, which DeepSeek-V4 computes in fp32)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float())
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``comb: [..., n, n]`` positive -> columns, then ``iters - 1`` times rows and columns, normalized to 1."""
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
@@ -58,7 +66,7 @@ class HyperConnection(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``h: [T, n, D]`` -> ``(block input [T, D] in h's dtype, post [T, n], comb [T, n, n])`` fp32."""
         n = self.n
-        mixes = F.linear(rms_normalize(h.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+n)n]
+        mixes = fp32_linear(rms_normalize(h.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+n)n]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
@@ -87,6 +95,6 @@ class HyperHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h: [T, n, D]`` -> ``[T, D]`` in h's dtype."""
-        mixes = F.linear(rms_normalize(h.flatten(1).float(), self.norm_eps), self.hc_fn)
+        mixes = fp32_linear(rms_normalize(h.flatten(1).float(), self.norm_eps), self.hc_fn)
         pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre.unsqueeze(-1) * h).sum(1).to(h.dtype)

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from flashdsa.models.deepseek_v32 import FP32_PARAMS
 from flashdsa.models.mtp import checkpoint_tensors
 from flashdsa.models.resolve import LOAD_ERRORS
+from flashdsa.train.architecture import export_v4, is_v4, load_trainable
 from flashdsa.train.safe_io import PARTIAL, atomic_path, write_text
 
 logger = logging.getLogger(__name__)
@@ -45,18 +46,23 @@ def save_model(
 ) -> Path:
     """Write ``model``'s config, weights (``weights`` when given, e.g. gathered from FSDP shards,
     else its state dict; cast to ``dtype`` when given, fp32-only tensors stay fp32) and the
-    tokenizer files found in ``tokenizer_dir`` to ``output_dir``. An MTP layer is written as the
-    official checkpoint stores it (``model.layers.{num_hidden_layers}.*``)."""
+    tokenizer files found in ``tokenizer_dir`` to ``output_dir``. A V3.2 MTP layer is written as the
+    official checkpoint stores it (``model.layers.{num_hidden_layers}.*``); a V4 model in the official
+    V4 layout (``mtp.0.*``)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"], **model.config.to_dict(),
-              "num_nextn_predict_layers": int(model.has_mtp)}
-    if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    tensors = {}
-    for name, tensor in checkpoint_tensors(model, model.state_dict() if weights is None else weights).items():
-        keep = dtype is None or name.endswith(FP32_PARAMS)
-        tensors[name] = tensor.detach().to("cpu", None if keep else dtype).contiguous()
+    weights = model.state_dict() if weights is None else weights
+    if is_v4(model):  # the official release layout
+        config, tensors = export_v4(model, weights, dtype)
+    else:
+        config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"],
+                  **model.config.to_dict(), "num_nextn_predict_layers": int(model.has_mtp)}
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        tensors = {}
+        for name, tensor in checkpoint_tensors(model, weights).items():
+            keep = dtype is None or name.endswith(FP32_PARAMS)
+            tensors[name] = tensor.detach().to("cpu", None if keep else dtype).contiguous()
     _save_sharded(tensors, output_dir, max_shard_bytes)
     write_text(output_dir / "config.json", json.dumps(config, indent=2) + "\n")
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != output_dir.resolve():
@@ -141,14 +147,9 @@ def load_training_state(path: str | Path) -> dict:
 def load_latest_checkpoint(output_dir: str | Path, device) -> Optional[tuple[Path, torch.nn.Module, dict]]:
     """(path, fp32 model, trainer state) of the newest training checkpoint under ``output_dir``
     that loads; damaged ones (truncated files) are skipped with a warning. None if none loads."""
-    from flashdsa.models.config import DeepseekV32Config
-    from flashdsa.models.loader import load_model
-
     for path in complete_checkpoints(output_dir):
         try:
-            state = load_training_state(path)
-            has_mtp = DeepseekV32Config.from_json(path).num_nextn_predict_layers > 0
-            return path, load_model(path, device=device, mode="reference", mtp=has_mtp), state
+            return path, load_trainable(path, device), load_training_state(path)
         except (*LOAD_ERRORS, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             logger.warning("skipping %s: it does not load (%s: %s)", path, type(exc).__name__, exc)
     return None

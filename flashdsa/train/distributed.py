@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
-from flashdsa.train.forward import SHARDED_FORWARD, layer_forward, model_forward
+from flashdsa.train.architecture import forwards, skeleton
+from flashdsa.train.forward import SHARDED_FORWARD
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class World:
         if self.size == 1:
             return
         mesh = init_device_mesh(self.device.type, (self.size,))
+        _, model_forward, layer_forward = forwards(model)
         for module, forward in [(layer, layer_forward) for layer in model.model.layers] + [(model, model_forward)]:
             fully_shard(module, mesh=mesh)
             setattr(module, SHARDED_FORWARD, partial(forward, module))
@@ -93,10 +94,9 @@ class World:
                 full[name] = tensor.detach().cpu()
         if not self.is_main:
             return {}
-        with torch.device("meta"):
-            skeleton = DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
-        skeleton.load_state_dict(full, assign=True)
-        return skeleton.state_dict()
+        weightless = skeleton(model)
+        weightless.load_state_dict(full, assign=True)
+        return weightless.state_dict()
 
     def optimizer_state(self, model, optimizer) -> dict:
         """The optimizer's state with every tensor full and parameters named by module path (the

@@ -1,4 +1,4 @@
-"""``flashdsa finetune``: train a DeepSeek-V3.2 (DSA) checkpoint on a text or chat file.
+"""``flashdsa finetune``: train a DeepSeek-V3.2 (DSA) or DeepSeek-V4 checkpoint on a text or chat file.
 
     flashdsa finetune --model DIR --data FILE --stage warmup|sparse --steps N --output DIR
 
@@ -11,7 +11,9 @@ writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (res
 trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
 batch, checkpoints and outputs as one process; rank 0 writes every file.
 A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
-gives a checkpoint without one a freshly initialised layer.
+gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``model_type``
+``deepseek_v4``) trains through the same stages, its CSA indexers over the compressed entries
+(``flashdsa.train.forward_v4``), and is saved in the official V4 layout.
 """
 
 from __future__ import annotations
@@ -95,8 +97,8 @@ def read_data(path: Path, tokenizer, eval_fraction: float, seq_len: int) -> tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdsa.models.mtp import add_mtp_layer
-    from flashdsa.models.resolve import load_tokenizer, load_weights, parse_device, read_checkpoint, resolve_model
+    from flashdsa.models.resolve import is_v4, load_tokenizer, load_weights, parse_device, read_checkpoint, resolve_model
+    from flashdsa.train.architecture import add_mtp_layer
     from flashdsa.train import checkpoint as ckpt
     from flashdsa.train.init import initialize
     from flashdsa.train.distributed import join, leave
@@ -104,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
 
     world = join(parse_device(args.device))
     model_dir = resolve_model(args.model)
-    config = read_checkpoint(model_dir)
+    config = read_checkpoint(model_dir)  # a V3.2 or V4 config, told apart by model_type
     cfg = train_config(args, config.max_position_embeddings)
+    if is_v4(config) and args.backend not in (None, "reference"):
+        raise ArgumentError("--backend", f"DeepSeek-V4 training runs the reference (plain torch) attention: no "
+                                         f"{args.backend} V4 attention backward exists; pass reference or leave it out")
     has_mtp = config.num_nextn_predict_layers > 0
     if args.add_mtp_layer and has_mtp and not args.resume:
         raise ArgumentError("--add-mtp-layer", f"{model_dir} already has a multi-token-prediction layer")

@@ -78,20 +78,26 @@ def training_forward(
     attention_dtype: dtype of q/kv in attention (default: bf16 on CUDA, else the weights' dtype).
     next_ids: [B, L] int64, the token after each input token: runs the model's MTP layer too.
     """
+    batch, length, positions = token_positions(input_ids, attention)
+    weight_dtype = model.lm_head.weight.dtype
+    default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
+    step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
+                 attention_dtype or default_dtype, backend, checkpointing, next_ids)
+    return bound_forward(model, model_forward)(input_ids, step)
+
+
+def token_positions(input_ids: torch.Tensor, attention: str) -> tuple[int, int, torch.Tensor]:
+    """(B, L, the position of each of the T = B * L tokens ``[T]``) of ``input_ids: [B, L]`` int64;
+    ValueError naming ``input_ids`` or ``attention`` when they are not a training forward's."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
         raise ValueError(f"input_ids must be int64 [B, L], got {input_ids.dtype} {list(input_ids.shape)}")
     batch, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device).repeat(batch)  # [T]
-    weight_dtype = model.lm_head.weight.dtype
-    default_dtype = torch.bfloat16 if input_ids.is_cuda else weight_dtype
-    step = _Step(batch, length, model.rotary.at(positions), attention, indexer_loss,
-                 attention_dtype or default_dtype, backend, checkpointing, next_ids)
-    return _bound(model, model_forward)(input_ids, step)
+    return batch, length, torch.arange(length, device=input_ids.device).repeat(batch)
 
 
-def _bound(module, forward):
+def bound_forward(module, forward):
     """``forward`` bound to ``module``: its FSDP-wrapped ``SHARDED_FORWARD`` when it has one."""
     return getattr(module, SHARDED_FORWARD, None) or partial(forward, module)
 
@@ -118,7 +124,7 @@ def model_forward(model, input_ids: torch.Tensor, step: _Step) -> TrainOutput:
 def _run_layer(layer, h: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer (its FSDP-sharded forward when wrapped), recomputed in the backward when
     ``step.checkpointing``."""
-    forward = _bound(layer, layer_forward)
+    forward = bound_forward(layer, layer_forward)
     if step.checkpointing and torch.is_grad_enabled():
         return checkpoint(forward, h, step, use_reentrant=False)
     return forward(h, step)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from flashdsa.train import checkpoint as ckpt
 from flashdsa.train.data import TokenBatches, eval_batches
 from flashdsa.train.distributed import World, full_norm
-from flashdsa.train.forward import training_forward
+from flashdsa.train.architecture import forwards, load_trainable
 from flashdsa.train.losses import lm_loss
 from flashdsa.train.plot import save_loss_png
 from flashdsa.train.safe_io import append_record, read_records, truncate_records
@@ -105,7 +105,7 @@ def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, to
     model have). The MTP loss covers the L - 1 positions whose token after next is in the batch."""
     mtp = model.has_mtp and cfg.mtp_loss_weight > 0
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
-        out = training_forward(model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
+        out = forwards(model)[0](model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
                                checkpointing=cfg.checkpointing, backend=cfg.backend,
                                next_ids=batch[:, 1:] if mtp else None)
     losses = {}
@@ -217,9 +217,7 @@ class Trainer:
 
     def _restore_best(self) -> None:
         """Load the best weights (fp32, as saved) back into the model."""
-        from flashdsa.models.loader import read_tensors
-
-        best = dict(read_tensors(self.output_dir / BEST_DIR, self.model.config, self.model.has_mtp)) \
+        best = load_trainable(self.output_dir / BEST_DIR, "cpu", self.model.has_mtp).state_dict() \
             if self.world.is_main else {}
         self.world.load_model_state(self.model, best)
 

@@ -51,3 +51,11 @@ def tiny_model_dir(tmp_path_factory, corpus):
     model = initialize(DeepseekV32ForCausalLM(tiny_config(300), mode="reference"), seed=0, std=0.1)
     save_model(model, path, dtype=None)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_dir(tmp_path_factory):
+    """A tiny DeepSeek-V4 checkpoint (every layer type, hash and routed MoE, one MTP layer, narrow attention)."""
+    from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
+
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4"), seed=3, small=True)  # narrow: fast

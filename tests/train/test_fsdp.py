@@ -1,5 +1,5 @@
 """Two processes over gloo (torchrun, FSDP2) train like one process on the same global batch, and
-write the same HF-layout checkpoint, log and plot (rank 0 only)."""
+write the same checkpoint, log and plot (rank 0 only): DeepSeek-V3.2 and DeepSeek-V4."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import sys
 import pytest
 
 from flashdsa.cli import main
-from flashdsa.models.loader import load_model
+from flashdsa.train.architecture import load_trainable
 
 STEPS = 3
 TOLERANCE = 1e-4  # relative: the two runs differ only in the order of fp32 reductions
+V4_TOLERANCE = 1e-3  # V4's indexer KL over few compressed entries moves more with that rounding
 
 
-def finetune_args(model_dir, corpus, output) -> list[str]:
+def finetune_args(model_dir, corpus, output, seq_len: int) -> list[str]:
     return ["finetune", "--model", str(model_dir), "--data", str(corpus), "--stage", "sparse", "--steps", str(STEPS),
-            "--seq-len", "32", "--batch-tokens", "128", "--eval-every", "2", "--eval-tokens", "64", "--lr", "3e-3",
-            "--device", "cpu", "--output", str(output)]
+            "--seq-len", str(seq_len), "--batch-tokens", str(4 * seq_len), "--eval-every", "2",
+            "--eval-tokens", str(2 * seq_len), "--lr", "3e-3", "--device", "cpu", "--output", str(output)]
 
 
 def losses(output) -> list[dict[str, float]]:
@@ -29,10 +30,13 @@ def losses(output) -> list[dict[str, float]]:
     return [{k: r[k] for k in keys if k in r} for r in records]
 
 
-def test_two_ranks_match_one_process(tiny_model_dir, corpus, tmp_path):
-    assert main(finetune_args(tiny_model_dir, corpus, tmp_path / "one")) == 0
+@pytest.mark.parametrize("checkpoint, seq_len, tolerance", [("tiny_model_dir", 32, TOLERANCE),
+                                                             ("tiny_v4_dir", 132, V4_TOLERANCE)])
+def test_two_ranks_match_one_process(checkpoint, seq_len, tolerance, corpus, tmp_path, request):
+    model_dir = request.getfixturevalue(checkpoint)
+    assert main(finetune_args(model_dir, corpus, tmp_path / "one", seq_len)) == 0
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               "-m", "flashdsa", *finetune_args(tiny_model_dir, corpus, tmp_path / "two")]
+               "-m", "flashdsa", *finetune_args(model_dir, corpus, tmp_path / "two", seq_len)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -41,8 +45,8 @@ def test_two_ranks_match_one_process(tiny_model_dir, corpus, tmp_path):
     assert len(two) == STEPS and [r.keys() for r in one] == [r.keys() for r in two]
     for a, b in zip(one, two):
         for key in a:
-            assert b[key] == pytest.approx(a[key], rel=TOLERANCE), key
-    single, sharded = (load_model(tmp_path / run_dir, mode="reference").state_dict() for run_dir in ("one", "two"))
+            assert b[key] == pytest.approx(a[key], rel=tolerance), key
+    single, sharded = (load_trainable(tmp_path / run_dir, "cpu").state_dict() for run_dir in ("one", "two"))
     assert single.keys() == sharded.keys()
     for name, tensor in single.items():
         assert (sharded[name].float() - tensor.float()).abs().max() <= 1e-2 * tensor.float().abs().max() + 1e-6, name
