@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: Optional[EngineConfig] = None) -> None:
         self.config = config or EngineConfig()
+        if self.config.speculative_tokens and not getattr(model, "supports_speculative", True):
+            raise ValueError(f"speculative_tokens: {type(model).__name__} does not support speculative decoding yet; "
+                             f"use 0")
         if self.config.speculative_tokens and not getattr(model, "has_mtp", False):
             raise ValueError("speculative_tokens=1 needs the model's multi-token-prediction layer: load it with "
                              "load_model(..., mtp=True) from a checkpoint that has one")

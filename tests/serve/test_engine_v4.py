@@ -91,6 +91,14 @@ def test_production_mode_generates_on_the_cpu(checkpoint, prompts):
     assert [len(r.outputs[0].token_ids) for r in results] == [8] * len(prompts)
 
 
+def test_a_loaded_v4_model_refuses_speculative_decoding(checkpoint):
+    from transformers import AutoTokenizer
+
+    model = load_v4_model(checkpoint, mtp=True)
+    with pytest.raises(ValueError, match="speculative_tokens"):
+        LLM(model, AutoTokenizer.from_pretrained(str(checkpoint)), speculative_tokens=1)
+
+
 @pytest.mark.parametrize("options, argument", [
     (dict(speculative_tokens=1), "speculative_tokens"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
