@@ -117,7 +117,7 @@ class V4Output:
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    supports_cuda_graphs = False  # not captured until a GPU has checked the capture (test_deepseek_v4_gpu.py)
+    supports_cuda_graphs = True  # the capture is checked on a GPU: tests/models/test_deepseek_v4_gpu.py
     supports_speculative = False  # a rejected draft would leave the compressor states advanced (no rollback yet)
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
