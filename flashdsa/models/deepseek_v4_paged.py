@@ -46,7 +46,7 @@ class StepPlan:
 
     starts: [B] first position each sequence runs; slots: [B] their state slots; tables: [T, max_blocks]
     each token's block table; ring_old: [B * (W - 1)] ring rows (``slot * W + position % W``) of the
-    window rows before each sequence's step, -1 before position 0; window: [T, W] each token's
+    window rows before each sequence's step, -1 before position 0 (None in a decode step); window: [T, W] each token's
     window rows in the step's pool (decode: the ring; else the W - 1 gathered rows per sequence,
     then the step's tokens), -1 before position 0; ring_new: [T] the ring row each token's row goes
     to, -1 for rows out of the window by the step's end."""
@@ -55,7 +55,7 @@ class StepPlan:
     starts: torch.Tensor
     slots: torch.Tensor
     tables: torch.Tensor
-    ring_old: torch.Tensor
+    ring_old: torch.Tensor | None
     window: torch.Tensor
     ring_new: torch.Tensor
     decode: bool
@@ -69,15 +69,17 @@ class StepPlan:
         slots = torch.arange(len(meta.query_lens), device=positions.device) if meta.state_slots is None \
             else meta.state_slots
         before = window - 1
-        old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
-        ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
         wanted = positions[:, None] - before + torch.arange(window, device=positions.device)  # [T, W] positions
-        start = starts[seq_ids, None]
-        from_ring = seq_ids[:, None] * before + wanted - (start - before)
-        from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
         decode = max(meta.query_lens) == 1
-        rows = slots[seq_ids, None] * window + wanted % window if decode else torch.where(wanted < start, from_ring,
-                                                                                           from_step)
+        if decode:  # the ring itself is the pool
+            ring_old, rows = None, slots[seq_ids, None] * window + wanted % window
+        else:  # W - 1 gathered ring rows per sequence, then the step's rows
+            old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
+            ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
+            start = starts[seq_ids, None]
+            from_ring = seq_ids[:, None] * before + wanted - (start - before)
+            from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
+            rows = torch.where(wanted < start, from_ring, from_step)
         keep = positions >= ends[seq_ids] - window
         ring_new = torch.where(keep, slots[seq_ids] * window + positions % window, -1)
         return cls(meta, starts, slots, meta.block_tables.long()[seq_ids], ring_old,
@@ -121,19 +123,19 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     cos, sin = ropes["compress" if attn.ratio else "main"](positions)
     q_residual, q, kv = attn.project(x, cos, sin)
     window = plan.window_pool(cache.window, kv)
-    picked = None
+    picked = lengths = None
     if attn.ratio:
         compress(attn.compressor, x, plan, cache.entries, cache.state, ropes["compress"])
         if attn.layer_type == CSA:
             indexer = attn.compressor.indexer
             compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
-            picked = select_entries(indexer, x, q_residual, plan, cache.index, ropes["compress"])
-        elif plan.meta.max_context_len >= attn.ratio:
+            picked = select_entries(indexer, x, q_residual, plan, cache.index, cos, sin)
+        elif plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
+            visible = visible_entries(positions, attn.ratio)
             entry = torch.arange(plan.meta.max_context_len // attn.ratio, device=x.device)
-            picked = torch.where(entry < visible_entries(positions, attn.ratio)[:, None], entry, -1)
+            picked = torch.where(entry < visible[:, None], entry, -1)
+            lengths = visible.int()  # in a decode step the kernel stops at the visible count
     main = None if picked is None else (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
-    # HCA lists every visible entry first: in a decode step the kernel stops at the visible count
-    lengths = visible_entries(positions, attn.ratio).int() if attn.ratio and attn.layer_type != CSA else None
     out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan, lengths)
     plan.store_window(cache.window, kv)
     return attn.output(out, cos, sin)
@@ -188,11 +190,11 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
 
 
 def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
-                   rope: RopeTable) -> torch.Tensor:
-    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded."""
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded; ``cos, sin``: the
+    queries' RoPE angles (the layer's own: CSA rotates with the compressed RoPE)."""
     meta, ratio, k = plan.meta, indexer.ratio, indexer.topk
-    q = rope_tail(indexer.q_b_proj(q_residual).view(x.shape[0], indexer.heads, indexer.head_dim), *rope(meta.positions))
-    weights = indexer.scorer.weights_proj(x).float() * indexer.heads**-0.5
+    q, weights = indexer.queries(x, q_residual, cos, sin)
     visible = visible_entries(meta.positions, ratio)
     if pool.dtype == torch.uint8:
         lengths = [n // ratio for n in meta.context_lens_host]
