@@ -7,8 +7,10 @@ the compressor's RMSNorm and RoPE in the model and is written to a V4 cache. The
 carries between steps is two fp32 tensors ``[W, C]`` (``new_state``): the open window's tokens
 and, for CSA, the last closed window's.
 
-Backends: ``reference`` only (torch; a decode step is a handful of small ops on ``[B, W, C]`` and
-stays CUDA-graph capturable: no host sync).
+Backends: ``reference`` (torch) for both; ``triton`` (CUDA) for the decode step: one kernel reads
+and writes the engine's state pool in place (``state_slots``, ``fresh``) and reads a window's rows
+only when the token closes it, where the torch step gathers, rewrites and scatters every state.
+Both stay CUDA-graph capturable (no host sync).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime import dispatch
-from flashdsa.runtime.checks import check, check_tensor
+from flashdsa.runtime.checks import can_check_values, check, check_tensor
 from flashdsa.runtime.compressor.reference import new_state
 
 __all__ = ["new_state", "compress_sequence", "compress_decode_step"]
@@ -27,6 +29,7 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 for _op in ("compress_sequence", "compress_decode_step"):
     dispatch.register(_op, "reference", f"flashdsa.runtime.compressor.reference:{_op}")
+dispatch.register("compress_decode_step", "triton", "flashdsa.runtime.compressor.triton.decode_step:compress_decode_step")
 
 
 def _check_inputs(kv: object, gate: object, position_bias: object, overlap: object, lead: str) -> tuple[int, int]:
@@ -84,22 +87,38 @@ def compress_sequence(
 
 def compress_decode_step(
     kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor, overlap: bool,
-    state_kv: torch.Tensor, state_score: torch.Tensor, *, backend: Optional[str] = None,
+    state_kv: torch.Tensor, state_score: torch.Tensor, *, state_slots: Optional[torch.Tensor] = None,
+    fresh: Optional[torch.Tensor] = None, backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add one token per sequence to its compressor state; graph-capturable (no host sync).
 
     Args:
         kv, gate: ``[B, C]`` the new tokens' projections. positions: ``[B]`` int64 their positions.
         position_bias, overlap: as in :func:`compress_sequence`.
-        state_kv, state_score: ``[B, W, C]`` fp32 states (``new_state``), updated in place.
+        state_kv, state_score: fp32 states (``new_state``), updated in place: ``[B, W, C]``, or with
+            ``state_slots`` a pool ``[S, W, C]`` of which sequence b owns row ``state_slots[b]``.
+        state_slots: optional ``[B]`` int64 distinct rows in ``[0, S)``.
+        fresh: optional ``[B]`` bool: sequence b starts from an empty state (its old row is ignored).
 
     Returns:
         (entries ``[B, D]`` fp32, closed ``[B]`` bool): entry b is a new compressed entry where
-        closed[b] (the token ended its window: position % ratio == ratio - 1), else meaningless.
+        closed[b] (the token ended its window: position % ratio == ratio - 1), else meaningless
+        (the triton backend writes 0 there).
     """
     ratio, channels = _check_inputs(kv, gate, position_bias, overlap, "B")
     batch = kv.shape[0]
     check_tensor("positions", positions, torch.int64, [batch], f"int64 [B={batch}]", kv.device)
-    _check_state(state_kv, state_score, [batch], ratio, channels, overlap, kv.device)
+    if fresh is not None:
+        check_tensor("fresh", fresh, torch.bool, [batch], f"bool [B={batch}]", kv.device)
+    if state_slots is None:
+        _check_state(state_kv, state_score, [batch], ratio, channels, overlap, kv.device)
+    else:
+        check_tensor("state_slots", state_slots, torch.int64, [batch], f"int64 [B={batch}]", kv.device)
+        check_tensor("state_kv", state_kv, torch.float32, [None, None, None], "float32 [S, W, C] (new_state)")
+        _check_state(state_kv, state_score, [state_kv.shape[0]], ratio, channels, overlap, kv.device)
+        if batch and can_check_values(kv.device):
+            low, high = int(state_slots.min()), int(state_slots.max())
+            check(0 <= low and high < state_kv.shape[0],
+                  f"state_slots must lie in [0, {state_kv.shape[0]}), got [{low}, {high}]")
     impl = dispatch.select("compress_decode_step", kv.device, backend)
-    return impl(kv, gate, positions, position_bias, overlap, state_kv, state_score)
+    return impl(kv, gate, positions, position_bias, overlap, state_kv, state_score, state_slots, fresh)

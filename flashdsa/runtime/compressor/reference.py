@@ -16,6 +16,8 @@ p sits in row ``W - ratio + p % ratio``; empty rows have score -inf.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -73,10 +75,27 @@ def compress_sequence(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch
 
 def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor,
                          overlap: bool, state_kv: torch.Tensor, state_score: torch.Tensor,
+                         state_slots: Optional[torch.Tensor] = None, fresh: Optional[torch.Tensor] = None,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per sequence: ``kv, gate: [B, C]`` at ``positions: [B]``. Writes it into the
-    state ``[B, W, C]`` (in place); returns (entries ``[B, D]`` fp32, closed ``[B]`` bool): the entry
-    is meaningful where the token closed its window (``p % ratio == ratio - 1``). No host sync."""
+    states ``state_*[state_slots]`` (all of ``state_*: [B, W, C]`` without state_slots; in place), emptied first
+    where ``fresh``; returns (entries ``[B, D]`` fp32, closed ``[B]`` bool): the entry is meaningful
+    where the token closed its window (``p % ratio == ratio - 1``). No host sync."""
+    if state_slots is None and fresh is None:
+        return _decode_step(kv, gate, positions, position_bias, overlap, state_kv, state_score)
+    rows = torch.arange(kv.shape[0], device=kv.device) if state_slots is None else state_slots
+    own_kv, own_score = state_kv[rows], state_score[rows]
+    if fresh is not None:
+        own_kv = torch.where(fresh[:, None, None], 0.0, own_kv)
+        own_score = torch.where(fresh[:, None, None], float("-inf"), own_score)
+    out = _decode_step(kv, gate, positions, position_bias, overlap, own_kv, own_score)
+    state_kv[rows], state_score[rows] = own_kv, own_score
+    return out
+
+
+def _decode_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor,
+                 overlap: bool, state_kv: torch.Tensor, state_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compress_decode_step` on states ``[B, W, C]`` of the B sequences."""
     ratio = position_bias.shape[0]
     batch, rows, channels = state_kv.shape
     slot = positions.long() % ratio
