@@ -166,15 +166,15 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
     windows they close into ``pool`` (module docstring)."""
     ratio, meta = module.ratio, plan.meta
     kv, gate = module.kv_proj(x), module.gate_proj(x)
-    fresh = (plan.starts == 0)[:, None, None]
-    state_kv = torch.where(fresh, 0.0, state[0][plan.slots])
-    state_score = torch.where(fresh, float("-inf"), state[1][plan.slots])
-    if plan.decode:
-        pooled, closed = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap,
-                                              state_kv, state_score)
+    fresh = plan.starts == 0
+    if plan.decode:  # in place on the state pool
+        pooled, closed = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
+                                              state_slots=plan.slots, fresh=fresh)
         ids = torch.where(closed, (meta.positions + 1) // ratio - 1, -1)
         owners = torch.arange(len(meta.query_lens), device=x.device)
     else:
+        state_kv = torch.where(fresh[:, None, None], 0.0, state[0][plan.slots])
+        state_score = torch.where(fresh[:, None, None], float("-inf"), state[1][plan.slots])
         pooled, ids, owners = [], [], []
         for b, (first, end, length) in enumerate(meta.sequence_ranges()):
             start = length - (end - first)
@@ -183,7 +183,7 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
             ids.append(torch.arange(start // ratio, length // ratio, device=x.device))
             owners.append(torch.full_like(ids[-1], b))
         pooled, ids, owners = torch.cat(pooled), torch.cat(ids), torch.cat(owners)
-    state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
+        state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
     entries = rope_tail(module.kv_norm(pooled.to(x.dtype)), *rope(ids.clamp_min(0) * ratio))
     slots = entry_slots(ids[:, None], meta.block_tables.long()[owners], ratio)[:, 0]
     (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, slots)
