@@ -258,3 +258,38 @@ def test_slots_kernel_compiles_for_hopper_and_blackwell(launches):
     for dtype in (torch.int32, torch.int64):
         slots.positions_to_slots(torch.zeros(3, 2048, dtype=dtype), seq_ids, tables, 64)
     assert compile_all(launches, specialize=True) == ["_slots_kernel"]
+
+
+def test_hyper_connection_kernels_compile_for_hopper_and_blackwell(launches):
+    """mHC at V4-Flash widths (D 4096, n 4; decode and prefill token counts, bf16 and fp32 streams),
+    the head's variant, and n = 8 / n = 2 at other widths."""
+    from flashdsa.runtime.hyper.triton import hyper
+
+    for tokens, n, dim, dtype in ((1, 4, 4096, torch.bfloat16), (128, 4, 4096, torch.bfloat16),
+                                  (4096, 4, 4096, torch.bfloat16), (32, 4, 4096, torch.float32),
+                                  (3, 8, 448, torch.bfloat16), (5, 2, 1000, torch.float32)):
+        h = torch.empty(tokens, n, dim, dtype=dtype)
+        width = (2 + n) * n
+        fn, base, scale = torch.empty(width, n * dim), torch.empty(width), torch.empty(3)
+        _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
+        hyper.hc_post(torch.empty(tokens, dim, dtype=dtype), h, post, comb)
+        hyper.hc_head(h, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
+    assert compile_all(launches, specialize=True) == ["_mix_kernel", "_post_kernel", "_pre_kernel"]
+
+
+def test_compressor_decode_step_kernel_compiles_for_hopper_and_blackwell(launches):
+    """V4's CSA (ratio 4, head 512 and the indexer's 128, overlap) and HCA (ratio 128) decode steps,
+    on a state pool with fresh rows and on plain [B, W, C] states."""
+    from flashdsa.runtime.compressor import new_state
+    from flashdsa.runtime.compressor.triton import decode_step
+
+    for overlap, ratio, dim in ((True, 4, 512), (True, 4, 128), (False, 128, 512)):
+        channels = 2 * dim if overlap else dim
+        for batch in (1, 32):
+            kv, positions = torch.empty(batch, channels, dtype=torch.bfloat16), torch.zeros(batch, dtype=torch.int64)
+            bias = torch.empty(ratio, channels)
+            decode_step.compress_decode_step(kv, kv, positions, bias, overlap, *new_state(batch + 2, ratio, channels,
+                                             overlap, "cpu"), positions, torch.zeros(batch, dtype=torch.bool))
+            decode_step.compress_decode_step(kv, kv, positions, bias, overlap, *new_state(batch, ratio, channels,
+                                             overlap, "cpu"))
+    assert compile_all(launches, specialize=True) == ["_decode_step_kernel"]

@@ -100,3 +100,34 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="positions must be"):
         states = new_state(2, 4, 6, False, "cpu")
         compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1], dtype=torch.int32), bias, False, *states)
+
+
+def test_decode_step_pool_arguments_raise_value_errors_naming_the_argument():
+    kv, gate, bias, positions = torch.randn(2, 6), torch.randn(2, 6), torch.randn(4, 6), torch.tensor([0, 5])
+    pool = new_state(5, 4, 6, False, "cpu")
+    with pytest.raises(ValueError, match="state_slots must be"):
+        compress_decode_step(kv, gate, positions, bias, False, *pool, state_slots=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"state_slots must lie in \[0, 5\)"):
+        compress_decode_step(kv, gate, positions, bias, False, *pool, state_slots=torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match="fresh must be"):
+        compress_decode_step(kv, gate, positions, bias, False, *pool, state_slots=torch.tensor([4, 0]),
+                             fresh=torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="state_kv must be"):  # without state_slots the states are [B, W, C]
+        compress_decode_step(kv, gate, positions, bias, False, *pool)
+
+
+def test_decode_step_on_a_pool_updates_only_the_named_rows_and_empties_fresh_ones():
+    g = torch.Generator().manual_seed(SEED)
+    kv, gate, bias = random_tokens(2, 6, 4, g)
+    pool = [torch.randn(5, 8, 6, generator=g) for _ in range(2)]
+    before = [t.clone() for t in pool]
+    slots, fresh, positions = torch.tensor([3, 1]), torch.tensor([True, False]), torch.tensor([0, 6])
+    compress_decode_step(kv, gate, positions, bias, True, *pool, state_slots=slots, fresh=fresh)
+    untouched = torch.tensor([0, 2, 4])
+    assert torch.equal(pool[0][untouched], before[0][untouched]) and torch.equal(pool[1][untouched], before[1][untouched])
+    alone = new_state(1, 4, 6, True, "cpu")  # the fresh sequence: as if it started from new_state
+    compress_decode_step(kv[:1], gate[:1], positions[:1], bias, True, *alone)
+    assert torch.equal(pool[0][3], alone[0][0]) and torch.equal(pool[1][3], alone[1][0])
+    own = [t[1:2].clone() for t in before]  # the other: as if its own row were the whole state
+    compress_decode_step(kv[1:], gate[1:], positions[1:], bias, True, *own)
+    assert torch.equal(pool[0][1], own[0][0]) and torch.equal(pool[1][1], own[1][0])

@@ -62,14 +62,14 @@ def _pre_kernel(part_ptr, sq_ptr, h_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, c
     pre = tl.sigmoid(raw * rstd * tl.load(scale_ptr) + tl.load(base_ptr + i, mask=i_ok, other=0.0)) + hc_eps
     if COMB:
         if tl.program_id(1) == 0:
-            raw = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), 0)
-            post = 2 * tl.sigmoid(raw * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
+            post_raw = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=s_ok[:, None] & i_ok[None, :], other=0.0), 0)
+            post = 2 * tl.sigmoid(post_raw * rstd * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i, mask=i_ok, other=0.0))
             tl.store(post_ptr + t * N + i, post, mask=i_ok)
             ij = i[:, None] * N + i[None, :]  # [j, k]: comb[j, k], softmax over k
             ij_ok = i_ok[:, None] & i_ok[None, :]
-            raw = tl.sum(tl.load(rows[:, None, None] + 2 * N + ij[None, :, :],
-                                 mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), 0)
-            logits = raw * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij, mask=ij_ok, other=0.0)
+            comb_raw = tl.sum(tl.load(rows[:, None, None] + 2 * N + ij[None, :, :],
+                                      mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), 0)
+            logits = comb_raw * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + ij, mask=ij_ok, other=0.0)
             logits = tl.where(ij_ok, logits, float("-inf"))
             top = tl.where(i_ok, tl.max(logits, 1), 0.0)
             e = tl.where(ij_ok, tl.exp(logits - top[:, None]), 0.0)
