@@ -55,3 +55,43 @@ def test_decode_step_is_sync_free_and_replays_as_a_graph(checkpoint):
         torch.testing.assert_close(ours.window[:2], theirs.window[:2])
         if ours.state is not None:
             torch.testing.assert_close(ours.state[0][:2], theirs.state[0][:2])
+
+
+def _torch_path(monkeypatch) -> None:
+    """Route the mHC modules and the compressors' decode step to their torch references."""
+    import functools
+
+    from flashdsa.models import deepseek_v4_paged, hyper_connections
+
+    monkeypatch.setattr(hyper_connections, "_backend", lambda *tensors: "reference")
+    monkeypatch.setattr(deepseek_v4_paged, "compress_decode_step",
+                        functools.partial(deepseek_v4_paged.compress_decode_step, backend="reference"))
+
+
+def _greedy_decode(model, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """A 126-token prompt, then ``steps`` greedy decode steps of it with a 1-token prompt joining at
+    the first (a fresh state in a decode step); windows close on the way (CSA every 4, HCA at 127)."""
+    caches = model.allocate_caches(24, 3)
+    prompt = torch.randint(2, 500, (126,), generator=torch.Generator().manual_seed(3)).cuda()
+    tokens, logits = [[], []], []
+    with trusted_values():
+        last = model(prompt, _step([0], [126], [2]), caches)[-1].argmax()
+        ids = torch.stack([last, prompt[0]])
+        for step in range(steps):
+            out = model(ids, _step([126 + step, step], [1, 1], [2, 0]), caches)
+            logits.append(out)
+            ids = out.argmax(-1)
+            for b in (0, 1):
+                tokens[b].append(int(ids[b]))
+    return tokens, logits
+
+
+def test_fused_mhc_and_compressor_decode_give_the_torch_path_tokens(checkpoint, monkeypatch):
+    """The Triton mHC and compressor decode step (the default on a GPU) against the torch path."""
+    model = load_v4_model(checkpoint, "cuda", mode="production")
+    fused_tokens, fused_logits = _greedy_decode(model, 10)
+    _torch_path(monkeypatch)
+    torch_tokens, torch_logits = _greedy_decode(model, 10)
+    assert fused_tokens == torch_tokens
+    for ours, theirs in zip(fused_logits, torch_logits):
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
