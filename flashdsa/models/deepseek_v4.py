@@ -14,7 +14,8 @@ Parameter names are transformers' ``DeepseekV4ForCausalLM`` names (``model.layer
 and ``mtp.{k}.*`` for the MTP layers. Two ways to run it:
 - :meth:`DeepseekV4ForCausalLM.forward_sequence`: one sequence's next tokens and a :class:`V4Cache`
   (a fresh one: a full-sequence pass); prefill then decode steps through one cache compute what one
-  pass over the whole sequence computes. Always fp32-exact reference code (the layerwise oracle).
+  pass over the whole sequence computes. fp32 reference code (the layerwise oracle; on a GPU its mHC
+  runs the fused kernels of ``runtime.hyper``, equal to the torch math to ~1e-6).
 - :meth:`DeepseekV4ForCausalLM.forward`: the engine's step, a flat batch of several sequences
   described by a ``BatchMetadata`` over paged caches (``deepseek_v4_paged``, ``deepseek_v4_caches``),
   in ``mode`` "reference" (fp32 pools) or "production" (FP8 MODEL1 pools, FP8 indexer). Fp32 where transformers keeps fp32 (norm
