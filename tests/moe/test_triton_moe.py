@@ -140,12 +140,16 @@ def test_v32_shapes_match_reference(tokens, fp8, v32_experts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32, 512])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_v4_clipped_swiglu_matches_reference(tokens, fp8):
+@pytest.mark.parametrize("tokens", [1, 32, 128, 512])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp4"])
+def test_v4_clipped_swiglu_matches_reference(tokens, weights):
     """DeepSeek-V4-Flash's expert widths (H=4096, I=2048, top-6; 64 of its 256 experts to keep the
-    reference quick) with the SwiGLU clipped at 0.75, which most gate and up values cross."""
+    reference quick) with the SwiGLU clipped at 0.75, which most gate and up values cross; bf16,
+    FP8 and the release's packed FP4 (UE8M0 exponent bytes) experts."""
+    fp8 = weights == "fp8"
     args = moe_inputs(tokens, 6, 64, 4096, 2048, fp8, generator(30, tokens, fp8), invalid=0.05, device=cuda)
+    if weights == "fp4":
+        args = with_fp4_weights(args)
     plain = fused_moe(**args, pow2_scales=fp8, backend="reference").double()
     clipped = fused_moe(**args, pow2_scales=fp8, swiglu_limit=0.75, backend="reference").double()
     assert (clipped - plain).abs().max() > 0.25 * clipped.abs().max(), f"seed {SEED}: the clip hardly matters"
@@ -199,6 +203,7 @@ def run_memcheck_case() -> None:
     """Small GPU cases of every MoE kernel (invalid ids, padding, idle experts) for compute-sanitizer."""
     for fp8 in (False, True):
         check_fused(moe_inputs(33, 4, 12, 300, 136, fp8, generator(20, fp8), invalid=0.1, device=cuda), fp8)
+    check_fused(with_fp4_weights(moe_inputs(33, 4, 12, 288, 96, False, generator(22), invalid=0.1, device=cuda)), False)
     ids = moe_inputs(1500, 8, 20, 1, 1, False, generator(21), invalid=0.1)["expert_ids"]
     check_triton_alignment(ids.to(cuda), 20, 64)
     torch.cuda.synchronize()
