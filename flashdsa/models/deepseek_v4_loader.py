@@ -140,6 +140,23 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
+def read_dequantized(path: str | Path):
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint directory ``path`` as stored (its
+    own names), FP8 and FP4 weights dequantized to fp32 and their scale tensors left out: a
+    checkpoint any reader of bf16/fp32 weights takes (the layerwise check's transformers model)."""
+    files = checkpoint_files(Path(path))
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update((name, file) for name in f.keys())
+    scales = {s for n in where if (s := scale_name(n, where))}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name not in scales:
+                    yield name, _read(f, name, where)
+
+
 def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Tensor:
     """The rows of ``stack`` (a weight or its scales) one checkpoint tensor fills."""
     if expert is None:
