@@ -170,8 +170,8 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
     """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout)
     in ``mode`` ("reference": fp32 by default, every weight dequantized; "production": bf16 by
     default, FP8 caches, and FP8 linears and FP8/FP4 routed experts kept as stored unless
-    ``keep_fp8`` is False); ``mtp`` also loads its multi-token-prediction layers. Raises ValueError naming every missing, unexpected or
-    mis-shaped tensor."""
+    ``keep_fp8`` is False); ``mtp`` also loads its multi-token-prediction layers. Raises
+    ValueError naming every missing, unexpected or mis-shaped tensor."""
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
     if mtp and config.num_nextn_predict_layers < 1:

@@ -7,9 +7,9 @@ normalized to sum 1 and times ``routed_scaling_factor``, weight their outputs. E
 the shared one) computes ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
 
 Experts are stacked as transformers stores them: ``gate_up_proj [E, 2I, H]`` (gate rows, then up
-rows) and ``down_proj [E, H, I]`` (or quantized: :class:`Experts`). Two ways to run the routed experts (:class:`DeepseekV4MoE`):
-the fused path, ``runtime.moe.fused_moe`` (Triton grouped GEMMs on a GPU, the clip in their
-epilogue, no host sync), and the reference loop (:meth:`Experts.forward`, each used expert on its
+rows) and ``down_proj [E, H, I]`` (or quantized: :class:`Experts`). Two ways to run the routed
+experts (:class:`DeepseekV4MoE`): the fused path, ``runtime.moe.fused_moe`` (Triton grouped GEMMs
+on a GPU, the clip in their epilogue, no host sync), and the reference loop (:meth:`Experts.forward`, each used expert on its
 tokens in turn, a host sync per step; differentiable, for reference mode and fine-tuning).
 """
 

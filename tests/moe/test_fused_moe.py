@@ -146,7 +146,8 @@ def fp4_args() -> dict:
     (dict(w2=torch.zeros(4, 64, 32, dtype=torch.uint8)), "w2 must be uint8 [E=4, H=64, I/2=16] like w13"),
     (dict(w13_scale=None), "w13_scale must be a tensor uint8/float8_e8m0fnu (UE8M0) or fp32 [4, 64, 2]"),
     (dict(w13_scale=torch.zeros(4, 64, 2, dtype=torch.bfloat16)), "w13_scale must be uint8/float8_e8m0fnu"),
-    (dict(w2_scale=torch.zeros(4, 64, 2, dtype=torch.uint8)), "w2_scale must be uint8/float8_e8m0fnu (UE8M0) or fp32 [4, 64, 1]"),
+    (dict(w2_scale=torch.zeros(4, 64, 2, dtype=torch.uint8)),
+     "w2_scale must be uint8/float8_e8m0fnu (UE8M0) or fp32 [4, 64, 1]"),
     (dict(w2_scale=torch.zeros(4, 64, 1)), "w2_scale must have w13_scale's dtype uint8"),
 ])
 def test_bad_fp4_arguments_name_themselves(change, message):

@@ -92,7 +92,8 @@ def run_fp4_interpreter_cases(small_tiles, block_m_32) -> None:
 
     k32_tiles = MoeConfig(16, Tile(16, 32, group_m=3), Tile(32, 64, group_m=1))  # one scale group a K step
     for scale_dtype, tokens, top_k, experts, hidden, inter in (
-            (torch.uint8, 7, 3, 6, 160, 96), (torch.float32, 5, 2, 9, 96, 32), (torch.float8_e8m0fnu, 1, 6, 8, 224, 64)):
+            (torch.uint8, 7, 3, 6, 160, 96), (torch.float32, 5, 2, 9, 96, 32),
+            (torch.float8_e8m0fnu, 1, 6, 8, 224, 64)):
         args = with_fp4_weights(moe_inputs(tokens, top_k, experts, hidden, inter, False,
                                            generator(7, tokens, experts), invalid=0.15), scale_dtype)
         check_fused(args, False)  # the public op: the default (decode) config, block_k 256 > K

@@ -167,7 +167,8 @@ def _check_weights(x, w13, w2, w13_scale, w2_scale) -> None:
             shape = [num_experts, -(-rows // SCALE_GROUP), -(-cols // SCALE_GROUP)]
             check_tensor(name, scale, torch.float32, shape, f"fp32 {shape} (one scale per 128x128 block)", device)
         else:
-            check(scale is None, f"{name} must be None for {_name(w13.dtype)} weights (only FP8/FP4 weights have scales)")
+            check(scale is None,
+                  f"{name} must be None for {_name(w13.dtype)} weights (only FP8/FP4 weights have scales)")
     if fp4:
         check(w13_scale.dtype == w2_scale.dtype, f"w2_scale must have w13_scale's dtype {_name(w13_scale.dtype)}, "
                                                  f"got {describe(w2_scale)}")
@@ -194,11 +195,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     128x128 block), or both packed FP4 (``runtime.fp4``: e2m1 pairs, low nibble first) uint8/int8
     w13 [E, 2*I, H/2], w2 [E, H, I/2] with w13_scale [E, 2*I, H/32] and w2_scale [E, H, I/32]
     UE8M0 (uint8 exponent bytes or float8_e8m0fnu) or fp32 (H and I multiples of 32); FP4 weights
-    are dequantized to x's dtype in the GEMMs and multiply unquantized activations. With FP8 weights the activations are quantized per token and 128 channels by
+    are dequantized to x's dtype in the GEMMs and multiply unquantized activations. With FP8
+    weights the activations are quantized per token and 128 channels by
     ``runtime.gemm.quantize_activations`` (power-of-two scales with ``pow2_scales``); with
     ``quantize_activations=False`` (reference backend only) the weights are dequantized instead
     and multiplied in fp32, as a dequantized checkpoint would be. Both flags are ignored for bf16
-    and FP4 weights. weights: [T, top_k] fp32; expert_ids: [T, top_k] int32, ids outside [0, E) skipped.
+    and FP4 weights. weights: [T, top_k] fp32; expert_ids: [T, top_k] int32, ids outside [0, E)
+    skipped.
     out: optional [T, H] buffer of x's dtype to write (a CUDA graph's static output).
     Products accumulate in fp32; the intermediate ``silu(gate) * up`` and each pair's weighted
     output are rounded to x's dtype; the sum over the k pairs is fp32. Returns out [T, H].
