@@ -2,8 +2,9 @@
 
 Builds the V3.2-width random model with ``--layers`` layers (FP8 weights in the official
 checkpoint layout, written once to a temporary directory and loaded through the normal loader;
-``--arch deepseek_v4``: the V4-Flash-width one, layers cycling sliding / CSA / HCA / CSA, its FP8
-weights dequantized to bf16 at load as the V4 loader does today),
+``--arch deepseek_v4``: the V4-Flash-width one, layers cycling sliding / CSA / HCA / CSA, in the
+release's formats, kept as stored in production mode: FP8 linears with UE8M0 block scales and the
+routed experts packed FP4, or FP8 with ``--v4-experts fp8``),
 then through the engine (``LLMEngine``, greedy, CUDA graphs unless ``--enforce-eager``, async
 scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-scheduling``) measures:
 
@@ -17,7 +18,8 @@ scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-s
 - prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
   indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here; V3.2 only).
 
-  python benchmarks/bench_e2e.py [--arch deepseek_v4] [--layers 4] [--async-scheduling both] [--output BENCHMARKS.md]
+  python benchmarks/bench_e2e.py [--arch deepseek_v4 [--v4-experts fp4|fp8]] [--layers 4] [--async-scheduling both]
+      [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -236,6 +238,8 @@ def main() -> None:
     parser = output_parser(__doc__)
     parser.add_argument("--arch", choices=("deepseek_v32", "deepseek_v4"), default="deepseek_v32",
                         help="the random model's widths: V3.2's, or V4-Flash's (decode only)")
+    parser.add_argument("--v4-experts", choices=("fp4", "fp8"), default="fp4",
+                        help="the V4 model's routed experts: packed FP4 as the release, or FP8")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
     parser.add_argument("--enforce-eager", action="store_true", help="also time each point without CUDA graphs")
@@ -251,7 +255,8 @@ def main() -> None:
     v4 = args.arch == "deepseek_v4"
     with tempfile.TemporaryDirectory() as tmp:
         if v4:
-            write_random_v4_checkpoint(tmp, v4_flash_config(args.layers), device="cuda")
+            experts = {} if args.v4_experts == "fp4" else {"expert_dtype": None}
+            write_random_v4_checkpoint(tmp, v4_flash_config(args.layers, **experts), device="cuda")
         else:
             write_random_checkpoint(tmp, v32_config(args.layers), device="cuda")
         t0 = time.perf_counter()
@@ -272,7 +277,8 @@ def main() -> None:
         rows.append(prefill_point(model, tokenizer, int(length), rate, args.profile))
         print(rows[-1], flush=True)
     resident = nbytes(list(model.parameters()) + list(model.buffers())) / 2**30
-    kind = "V4-Flash-width random model, bf16 weights" if v4 else "V3.2-width random model, FP8 weights"
+    kind = (f"V4-Flash-width random model, FP8 linears and {args.v4_experts.upper()} experts" if v4
+            else "V3.2-width random model, FP8 weights")
     title = (f"End-to-end, {kind}, {args.layers} layers ({resident:.1f} GiB resident, "
              f"loaded in {load_s:.0f} s); copy {bandwidth / 1e12:.2f} TB/s, FP8 GEMM {rate / 1e12:.0f} TFLOPS")
     report(title, rows, args.output)

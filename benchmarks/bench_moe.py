@@ -1,7 +1,9 @@
-"""fused_moe (Triton) at DeepSeek-V3.2's routed-expert shape: E=256, top-8, H=7168, I=2048.
+"""fused_moe (Triton) at DeepSeek-V3.2's routed-expert shape (E=256, top-8, H=7168, I=2048) and
+DeepSeek-V4-Flash's (E=256, top-6, H=4096, I=2048).
 
-For T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2 activation
-scales), routed by select_experts on random logits:
+V3.2: for T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2
+activation scales); V4-Flash: for T in {1, 32, 128}, bf16, FP8 and FP4 (the release's packed e2m1
+with a UE8M0 scale per 32 inputs, bf16 activations); routed by select_experts on random logits:
 - decode (T <= 128): device time of one call replayed from a CUDA graph (as decode runs it),
   and the bytes of the experts the batch chose (w13 + w2 + scales of each distinct expert) over
   that time, against the copy bandwidth measured in the same run;
@@ -13,18 +15,20 @@ scales), routed by select_experts on random logits:
 and reports the best against the current heuristic (ratio < 1: the candidate is faster), logging
 each best as a ``MoeConfig``, so one GPU run fixes ``flashdsa.runtime.moe.triton.fused_moe.HEURISTIC``.
 
-    python3 benchmarks/bench_moe.py [--sweep] [--dtype bf16|fp8|both] [--output BENCHMARKS.md]
+    python3 benchmarks/bench_moe.py [--sweep] [--dtype bf16|fp8|fp4|all] [--shape v32|v4|both] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.bench_decode_indexer import copy_bandwidth
 from benchmarks.common import Row, graph_ms, kernel_split, median_ms, output_parser, report
+from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_activations
 from flashdsa.runtime.moe import max_blocks, select_experts
@@ -33,9 +37,28 @@ from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
 from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
 
 log = logging.getLogger("bench_moe")
-E, TOP_K, H, I = 256, 8, 7168, 2048
-N_GROUP, TOPK_GROUP, SCALING = 8, 4, 2.5
-TOKENS = (1, 32, 128, 4096)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's routed experts: E experts, top_k a token, hidden H, intermediate I; the token
+    counts benchmarked, the group-limited routing and the weight formats its release uses."""
+
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: tuple[int, ...]
+    n_group: int
+    topk_group: int
+    formats: tuple[str, ...]
+
+
+V32 = Shape("V3.2", 256, 8, 7168, 2048, (1, 32, 128, 4096), 8, 4, ("bf16", "fp8"))
+V4_FLASH = Shape("V4-Flash", 256, 6, 4096, 2048, (1, 32, 128), 1, 1, ("bf16", "fp8", "fp4"))
+SHAPES = {"v32": (V32,), "v4": (V4_FLASH,), "both": (V32, V4_FLASH)}
+SCALING = 2.5
 DECODE_MAX = 128
 INPUT_SETS = 4
 SWEEP_BLOCK_M = {1: (16,), 32: (16, 32), 128: (16, 32, 64), 4096: (32, 64, 128)}
@@ -46,27 +69,35 @@ LARGE_TILES = [Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), Tile(128, 128, 8, 3), T
                Tile(256, 64, 8, 3), Tile(128, 64, 8, 4), Tile(128, 128, 4, 3), Tile(128, 32, 4, 5)]
 
 
-def make_experts(fp8: bool, device) -> dict:
-    """w13 [E, 2I, H], w2 [E, H, I] about N(0, 1/K), bf16 or e4m3 + block scales, made per expert."""
+def make_experts(shape: Shape, fmt: str, device) -> dict:
+    """w13 [E, 2I, H], w2 [E, H, I] about N(0, 1/K): bf16, e4m3 + block scales, or packed FP4 (random
+    bytes) + UE8M0 exponent scales near 2^-6 per 32 inputs; made per expert."""
     experts = {}
-    for name, (rows, cols) in (("w13", (2 * I, H)), ("w2", (H, I))):
-        w = torch.empty(E, rows, cols, dtype=E4M3 if fp8 else torch.bfloat16, device=device)
-        for e in range(E):
+    for name, (rows, cols) in (("w13", (2 * shape.inter, shape.hidden)), ("w2", (shape.hidden, shape.inter))):
+        if fmt == "fp4":
+            experts[name] = torch.randint(0, 256, (shape.experts, rows, cols // 2), dtype=torch.uint8, device=device)
+            experts[name + "_scale"] = torch.randint(119, 123, (shape.experts, rows, cols // FP4_GROUP),
+                                                     dtype=torch.uint8, device=device)
+            continue
+        fp8 = fmt == "fp8"
+        w = torch.empty(shape.experts, rows, cols, dtype=E4M3 if fp8 else torch.bfloat16, device=device)
+        for e in range(shape.experts):
             w[e] = torch.randn(rows, cols, device=device) * (1.0 if fp8 else cols**-0.5)
         experts[name] = w
         if fp8:
-            experts[name + "_scale"] = (torch.rand(E, rows // 128, cols // 128, device=device) + 0.5) * cols**-0.5
+            scale = torch.rand(shape.experts, rows // 128, cols // 128, device=device) + 0.5
+            experts[name + "_scale"] = scale * cols**-0.5
     return experts
 
 
-def routed_inputs(tokens: int, device) -> list[dict]:
+def routed_inputs(shape: Shape, tokens: int, device) -> list[dict]:
     """INPUT_SETS of (x, weights, expert_ids) routed by select_experts."""
     sets = []
     for _ in range(INPUT_SETS):
-        logits = torch.randn(tokens, E, device=device)
-        bias = torch.randn(E, device=device) * 0.01
-        weights, ids = select_experts(logits, bias, TOP_K, N_GROUP, TOPK_GROUP, True, SCALING)
-        sets.append(dict(x=torch.randn(tokens, H, device=device, dtype=torch.bfloat16), weights=weights,
+        logits = torch.randn(tokens, shape.experts, device=device)
+        bias = torch.randn(shape.experts, device=device) * 0.01
+        weights, ids = select_experts(logits, bias, shape.top_k, shape.n_group, shape.topk_group, True, SCALING)
+        sets.append(dict(x=torch.randn(tokens, shape.hidden, device=device, dtype=torch.bfloat16), weights=weights,
                          expert_ids=ids, logits=logits, bias=bias))
     return sets
 
@@ -83,79 +114,81 @@ def count_launches(call) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def moe_call(inputs: dict, experts: dict, fp8: bool, config=None):
+def moe_call(inputs: dict, experts: dict, fmt: str, config=None):
     return lambda: fused_moe.fused_moe(inputs["x"], experts["w13"], experts["w2"], inputs["weights"],
                                        inputs["expert_ids"], experts.get("w13_scale"), experts.get("w2_scale"),
-                                       fp8, True, None, config=config)
+                                       fmt == "fp8", True, None, config=config)
 
 
-def dense_anchor_tflops(tokens: int, fp8: bool, device) -> float:
+def dense_anchor_tflops(shape: Shape, tokens: int, fmt: str, device) -> float:
     """A dense GEMM of the MoE's gate/up FLOPs: [T*k, H] x [H, 2I], torch's fastest of that dtype."""
-    a = torch.randn(tokens * TOP_K, H, device=device).to(E4M3 if fp8 else torch.bfloat16)
-    b = torch.randn(2 * I, H, device=device).to(a.dtype)
+    fp8 = fmt == "fp8"
+    a = torch.randn(tokens * shape.top_k, shape.hidden, device=device).to(E4M3 if fp8 else torch.bfloat16)
+    b = torch.randn(2 * shape.inter, shape.hidden, device=device).to(a.dtype)
     one = torch.ones((), device=device)
     call = ((lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)) if fp8
             else (lambda: a @ b.T))
-    return 2 * a.shape[0] * H * 2 * I / median_ms([call]) / 1e9
+    return 2 * a.shape[0] * shape.hidden * 2 * shape.inter / median_ms([call]) / 1e9
 
 
-def bench_fused(fp8: bool, experts: dict, copy_gbs: float, device) -> tuple[list[Row], dict[int, float]]:
+def bench_fused(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) -> tuple[list[Row], dict[int, float]]:
     rows, times = [], {}
-    label = "FP8" if fp8 else "bf16"
-    for tokens in TOKENS:
-        sets = routed_inputs(tokens, device)
-        calls = [moe_call(s, experts, fp8) for s in sets]
+    for tokens in shape.tokens:
+        sets = routed_inputs(shape, tokens, device)
+        calls = [moe_call(s, experts, fmt) for s in sets]
         eager = median_ms(calls)
         launches = count_launches(calls[0])
-        config = fused_moe.choose_config(tokens * TOP_K, E, fp8)
-        shape = f"T={tokens} E={E} k={TOP_K} H={H} I={I}"
-        flops = 2 * tokens * TOP_K * 3 * H * I
+        config = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
+        desc = f"T={tokens} E={shape.experts} k={shape.top_k} H={shape.hidden} I={shape.inter}"
+        flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
         note = f"{launches} launches; block_m {config.block_m}; {kernel_split(calls[0], top=4)}"
+        label = f"fused_moe {shape.name} {fmt.upper() if fmt != 'bf16' else fmt}"
         if tokens <= DECODE_MAX:
             ms = graph_ms(calls)
             chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
             gbs = chosen * expert_bytes(experts) / ms / 1e6
             note = f"{chosen:.0f} experts chosen; eager {eager:.3f} ms; {flops / ms / 1e9:.1f} TFLOPS; {note}"
-            rows.append(Row(f"fused_moe {label}, CUDA graph", shape, ms, gbs, "GB/s", copy_gbs, note))
+            rows.append(Row(f"{label}, CUDA graph", desc, ms, gbs, "GB/s", copy_gbs, note))
         else:
             ms = eager
-            anchor = dense_anchor_tflops(tokens, fp8, device)
-            rows.append(Row(f"fused_moe {label}", shape, ms, flops / ms / 1e9, "TFLOPS", anchor,
-                            f"vs dense {'torch._scaled_mm' if fp8 else 'torch.matmul'} {anchor:.0f} TFLOPS; {note}"))
+            anchor = dense_anchor_tflops(shape, tokens, fmt, device)
+            rows.append(Row(label, desc, ms, flops / ms / 1e9, "TFLOPS", anchor,
+                            f"vs dense {'torch._scaled_mm' if fmt == 'fp8' else 'torch.matmul'} {anchor:.0f} TFLOPS; "
+                            f"{note}"))
         times[tokens] = ms
     return rows, times
 
 
-def bench_routing(moe_ms: dict[int, float], device) -> list[Row]:
+def bench_routing(shape: Shape, moe_ms: dict[int, float], device) -> list[Row]:
     rows = []
-    for tokens in TOKENS:
-        sets = routed_inputs(tokens, device)
-        calls = [lambda s=s: select_experts(s["logits"], s["bias"], TOP_K, N_GROUP, TOPK_GROUP, True, SCALING)
-                 for s in sets]
+    for tokens in shape.tokens:
+        sets = routed_inputs(shape, tokens, device)
+        calls = [lambda s=s: select_experts(s["logits"], s["bias"], shape.top_k, shape.n_group, shape.topk_group, True,
+                                            SCALING) for s in sets]
         ms = graph_ms(calls) if tokens <= DECODE_MAX else median_ms(calls)
         note = f"{count_launches(calls[0])} launches; target: the first dtype's fused_moe time"
-        rows.append(Row("select_experts (torch)", f"T={tokens} E={E} groups {N_GROUP}/{TOPK_GROUP}", ms, ms * 1e3, "us",
-                        moe_ms[tokens] * 1e3, note))
+        rows.append(Row(f"select_experts {shape.name}", f"T={tokens} E={shape.experts} groups "
+                        f"{shape.n_group}/{shape.topk_group}", ms, ms * 1e3, "us", moe_ms[tokens] * 1e3, note))
     return rows
 
 
-def gemm_times(block_m: int, tiles: dict[str, list[Tile]], inputs: dict, experts: dict, fp8: bool,
+def gemm_times(shape: Shape, block_m: int, tiles: dict[str, list[Tile]], inputs: dict, experts: dict, fmt: str,
                ) -> tuple[float, dict[str, list[tuple[float, Tile]]]]:
     """The alignment's time, and each grouped GEMM's time alone per candidate tile, fastest first."""
     device = inputs["x"].device
-    tokens = inputs["x"].shape[0]
+    tokens, fp8, k, e = inputs["x"].shape[0], fmt == "fp8", shape.top_k, shape.experts
     ids, weights = inputs["expert_ids"], inputs["weights"].view(-1)
     a, a_scale = quantize_activations(inputs["x"], pow2_scales=True) if fp8 else (inputs["x"], None)
-    blocks = max_blocks(tokens * TOP_K, E, block_m)
-    aligned = align.align_tokens(ids, E, block_m, blocks)
-    align_ms = median_ms([lambda: align.align_tokens(ids, E, block_m, blocks)])
-    h = torch.randn(blocks * block_m, I, device=device, dtype=torch.bfloat16)
+    blocks = max_blocks(tokens * k, e, block_m)
+    aligned = align.align_tokens(ids, e, block_m, blocks)
+    align_ms = median_ms([lambda: align.align_tokens(ids, e, block_m, blocks)])
+    h = torch.randn(blocks * block_m, shape.inter, device=device, dtype=torch.bfloat16)
     h_in, h_scale = quantize_activations(h, pow2_scales=True) if fp8 else (h, None)
-    pair_out = torch.empty(tokens * TOP_K, H, device=device, dtype=torch.bfloat16)
+    pair_out = torch.empty(tokens * k, shape.hidden, device=device, dtype=torch.bfloat16)
     gemms = {"gate_up": lambda tile: grouped_gemm(a, a_scale, experts["w13"], experts.get("w13_scale"), h, aligned,
-                                                  TOP_K, tile, gated=True),
+                                                  k, tile, gated=True),
              "down": lambda tile: grouped_gemm(h_in, h_scale, experts["w2"], experts.get("w2_scale"), pair_out, aligned,
-                                               TOP_K, tile, gated=False, route_weights=weights)}
+                                               k, tile, gated=False, route_weights=weights)}
     results = {}
     for name, gemm in gemms.items():
         results[name] = []
@@ -168,19 +201,25 @@ def gemm_times(block_m: int, tiles: dict[str, list[Tile]], inputs: dict, experts
     return align_ms, results
 
 
-def sweep(fp8: bool, experts: dict, device) -> list[Row]:
+def _fits(fmt: str, tile: Tile) -> bool:
+    """FP8 tiles need block_k dividing 128 (one scale a step), FP4 a multiple of 32 (whole scale groups)."""
+    return {"fp8": 128 % tile.block_k == 0, "fp4": tile.block_k % FP4_GROUP == 0}.get(fmt, True)
+
+
+def sweep(shape: Shape, fmt: str, experts: dict, device) -> list[Row]:
     """Per T and candidate block_m: the fastest tile of each GEMM, against the current heuristic."""
     rows = []
-    label = "FP8" if fp8 else "bf16"
-    for tokens in TOKENS:
-        inputs = routed_inputs(tokens, device)[0]
-        current = fused_moe.choose_config(tokens * TOP_K, E, fp8)
-        align_ms, now = gemm_times(current.block_m, {"gate_up": [current.gate_up], "down": [current.down]},
-                                   inputs, experts, fp8)
+    label = f"{shape.name} {fmt}"
+    for tokens in shape.tokens:
+        inputs = routed_inputs(shape, tokens, device)[0]
+        current = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
+        align_ms, now = gemm_times(shape, current.block_m, {"gate_up": [current.gate_up], "down": [current.down]},
+                                   inputs, experts, fmt)
         heuristic_ms = align_ms + now["gate_up"][0][0] + now["down"][0][0]
         for block_m in SWEEP_BLOCK_M[tokens]:
-            candidates = [t for t in (SMALL_TILES if block_m <= 32 else LARGE_TILES) if not fp8 or 128 % t.block_k == 0]
-            align_ms, best = gemm_times(block_m, {"gate_up": candidates, "down": candidates}, inputs, experts, fp8)
+            candidates = [t for t in (SMALL_TILES if block_m <= 32 else LARGE_TILES) if _fits(fmt, t)]
+            align_ms, best = gemm_times(shape, block_m, {"gate_up": candidates, "down": candidates}, inputs, experts,
+                                        fmt)
             if not best["gate_up"] or not best["down"]:
                 continue
             total = align_ms + best["gate_up"][0][0] + best["down"][0][0]
@@ -200,25 +239,28 @@ def _tile(t: Tile) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = output_parser(__doc__)
     parser.add_argument("--sweep", action="store_true", help="time every candidate launch shape of both GEMMs")
-    parser.add_argument("--dtype", choices=("bf16", "fp8", "both"), default="both", help="weights to run")
+    parser.add_argument("--dtype", choices=("bf16", "fp8", "fp4", "all"), default="all",
+                        help="expert weights to run (each shape runs the formats its release uses)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="both", help="V3.2's experts, V4-Flash's, or both")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
     copy_gbs = copy_bandwidth(device)
     rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
+    runs = [(shape, fmt) for shape in SHAPES[args.shape] for fmt in shape.formats if args.dtype in ("all", fmt)]
     moe_ms = {}
-    for fp8 in tqdm([fp8 for fp8 in (False, True) if args.dtype in ("both", "fp8" if fp8 else "bf16")], desc="dtypes"):
-        experts = make_experts(fp8, device)
+    for shape, fmt in tqdm(runs, desc="shapes and dtypes"):
+        experts = make_experts(shape, fmt, device)
         if args.sweep:
-            rows += sweep(fp8, experts, device)
+            rows += sweep(shape, fmt, experts, device)
         else:
-            fused_rows, times = bench_fused(fp8, experts, copy_gbs, device)
+            fused_rows, times = bench_fused(shape, fmt, experts, copy_gbs, device)
             rows += fused_rows
-            moe_ms = moe_ms or times
+            moe_ms.setdefault(shape, times)
         del experts
         torch.cuda.empty_cache()
-    if moe_ms:
-        rows += bench_routing(moe_ms, device)
+    for shape, times in moe_ms.items():
+        rows += bench_routing(shape, times, device)
     report("Grouped MoE sweep (Triton)" if args.sweep else "Grouped MoE (Triton)", rows, args.output)
 
 

@@ -170,30 +170,58 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
                                      "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
 
 
+def _moe_experts(experts: int, hidden: int, inter: int) -> dict:
+    """Uninitialised expert stacks and scales per weight format (nothing runs)."""
+    fp4_scales = (torch.empty(experts, 2 * inter, hidden // 32, dtype=torch.uint8),
+                  torch.empty(experts, hidden, inter // 32, dtype=torch.uint8))
+    return {
+        "bf16": (torch.empty(experts, 2 * inter, hidden).bfloat16(), torch.empty(experts, hidden, inter).bfloat16(),
+                 None, None),
+        "fp8": (torch.empty(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn),
+                torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn),
+                torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128)),
+        "fp4": (torch.empty(experts, 2 * inter, hidden // 2, dtype=torch.uint8),
+                torch.empty(experts, hidden, inter // 2, dtype=torch.uint8), *fp4_scales),
+    }
+
+
 def test_moe_kernels_compile_for_hopper_and_blackwell(launches):
-    """Every launch shape of the MoE heuristic (bf16 and FP8) and both alignment paths, at V3.2 widths
-    (the weights are left uninitialised: nothing runs); V4's clipped SwiGLU at the decode and the
-    prefill shapes."""
+    """Every launch shape of the MoE heuristic (bf16, FP8 and FP4 weights) and both alignment paths,
+    at V3.2 widths (the weights are left uninitialised: nothing runs); V4's clipped SwiGLU at the
+    decode and the prefill shapes; FP4 with fp32 scales too."""
     from flashdsa.runtime.moe.triton import align, fused_moe
 
     experts, hidden, inter, top_k = 4, 7168, 2048, 8
     x = torch.randn(3, hidden).bfloat16()
     ids = torch.randint(0, experts, (3, top_k), dtype=torch.int32)
     weights = torch.rand(3, top_k)
-    stacks = {fp8: (torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype))
-              for fp8, dtype in ((False, torch.bfloat16), (True, torch.float8_e4m3fn))}
-    scales = {False: (None, None),
-              True: (torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128))}
-    for _, bf16_config, fp8_config in fused_moe.HEURISTIC:
-        for fp8, config in ((False, bf16_config), (True, fp8_config)):
-            (w13, w2), (w13_scale, w2_scale) = stacks[fp8], scales[fp8]
-            fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config)
-            if config in (fused_moe.HEURISTIC[0][1 + fp8], fused_moe.HEURISTIC[-1][1 + fp8]):
-                fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, fp8, True, None, config=config,
-                                    swiglu_limit=10.0)
+    stacks = _moe_experts(experts, hidden, inter)
+    for row in fused_moe.HEURISTIC:
+        for column, name in enumerate(fused_moe.WEIGHT_FORMATS, start=1):
+            config, fp8 = row[column], name == "fp8"
+            fused_moe.fused_moe(x, *stacks[name][:2], weights, ids, *stacks[name][2:], fp8, True, None, config=config)
+            if row in (fused_moe.HEURISTIC[0], fused_moe.HEURISTIC[-1]):
+                fused_moe.fused_moe(x, *stacks[name][:2], weights, ids, *stacks[name][2:], fp8, True, None,
+                                    config=config, swiglu_limit=10.0)
+    w13, w2, w13_scale, w2_scale = stacks["fp4"]
+    fused_moe.fused_moe(x, w13, w2, weights, ids, w13_scale.float(), w2_scale.float(), False, True, None)
     many = torch.randint(0, 256, (4096, top_k), dtype=torch.int32)
     align.align_tokens(many, 256, 64, 4096)  # several chunks: the count launch too
     assert compile_all(launches) == ["_combine_kernel", "_count_kernel", "_grouped_gemm_kernel", "_place_kernel"]
+
+
+def test_fp4_moe_kernels_fit_hopper_shared_memory(launches):
+    """The FP4 grouped GEMMs of every heuristic row at DeepSeek-V4-Flash's expert widths (H 4096,
+    I 2048), compiled as a GPU launch specializes them (pipelined loads), within shared memory."""
+    from flashdsa.runtime.moe.triton import fused_moe
+
+    experts, hidden, inter, top_k = 4, 4096, 2048, 6
+    x, ids = torch.randn(4, hidden).bfloat16(), torch.randint(0, experts, (4, top_k), dtype=torch.int32)
+    w13, w2, w13_scale, w2_scale = _moe_experts(experts, hidden, inter)["fp4"]
+    for row in fused_moe.HEURISTIC:
+        fused_moe.fused_moe(x, w13, w2, torch.rand(4, top_k), ids, w13_scale, w2_scale, False, True, None,
+                            config=row[1 + fused_moe.WEIGHT_FORMATS.index("fp4")], swiglu_limit=10.0)
+    assert compile_all(launches, specialize=True) == ["_combine_kernel", "_grouped_gemm_kernel", "_place_kernel"]
 
 
 def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):

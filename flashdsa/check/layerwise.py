@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from flashdsa.models.batch import contiguous_block_tables, step_metadata
-from flashdsa.errors import ArgumentError
 from flashdsa.models.loader import read_tensors
 from flashdsa.runtime.model_runner import ModelRunner
 
@@ -85,21 +84,25 @@ class Report:
 
 
 def load_hf_reference(path: Path, device: str | torch.device):
-    """transformers' DeepseekV32ForCausalLM in fp32 (eager attention). An FP8 checkpoint is first
-    dequantized into a temporary copy, as transformers needs extra packages for FP8 on CPU. A
-    config without ``num_key_value_heads`` (transformers' MHA view of MLA) gets one per query head."""
+    """transformers' DeepseekV32ForCausalLM (or DeepseekV4ForCausalLM) in fp32 (eager attention).
+    An FP8 (V4: or FP4-expert) checkpoint is first dequantized into a temporary copy, as
+    transformers needs extra packages for FP8 on CPU. A config without ``num_key_value_heads``
+    (transformers' MHA view of MLA) gets one per query head."""
     from transformers import AutoModelForCausalLM
+
+    from flashdsa.models.deepseek_v4_loader import read_dequantized
 
     raw = json.loads((path / "config.json").read_text())
     options = dict(dtype=torch.float32, attn_implementation="eager",
                    num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]))
-    if raw.get("model_type") == "deepseek_v4" and "quantization_config" in raw:
-        raise ArgumentError("model", "check compares DeepSeek-V4 checkpoints in bf16 only for now; this one is FP8")
-    if "quantization_config" not in raw:
+    if "quantization_config" not in raw and "expert_dtype" not in raw:
         return AutoModelForCausalLM.from_pretrained(path, **options).to(device)
+    tensors = read_dequantized(path) if raw.get("model_type") == "deepseek_v4" else read_tensors(path)
     with tempfile.TemporaryDirectory() as tmp:
-        save_file({n: t.float().contiguous() for n, t in read_tensors(path)}, Path(tmp) / "model.safetensors")
-        raw.pop("quantization_config")
+        save_file({n: (t.float() if t.is_floating_point() else t).contiguous() for n, t in tensors},
+                  Path(tmp) / "model.safetensors")
+        raw.pop("quantization_config", None)
+        raw.pop("expert_dtype", None)
         (Path(tmp) / "config.json").write_text(json.dumps(raw))
         model = AutoModelForCausalLM.from_pretrained(tmp, **options)
     return model.to(device)

@@ -13,10 +13,11 @@ Two layouts are read (told apart by their names):
 Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.scale``, ue8m0 or
 fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the routed experts FP4
 (``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
-inputs, ``runtime.fp4``), dequantized one tensor at a time into the model's storage. In production
-mode the official layout's FP8 routed experts stay e4m3 with their scales (``fused_moe``'s FP8
-path) when ``moe_intermediate_size`` is a multiple of 128 (a 128-row scale block must not straddle
-an expert's gate and up rows).
+inputs, ``runtime.fp4``). In reference mode (and with ``keep_fp8=False``) they are dequantized one
+tensor at a time into the model's storage. In production mode they stay as stored: FP8 linears
+run the block-scaled FP8 GEMM, the official layout's FP8 or FP4 routed experts ``fused_moe``'s FP8
+or FP4 path (``deepseek_v4_quant`` says which modules, and the exceptions), so the model holds
+about the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
-from flashdsa.models.deepseek_v4_moe import Experts
+from flashdsa.models.deepseek_v4_quant import keep_quantized, read_quantized, scale_name
 from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.models.loader import checkpoint_files, dequantize_blocks
 from flashdsa.runtime.fp4 import dequantize_fp4
@@ -122,14 +123,6 @@ def official_tensors(config: DeepseekV4Config, tensors: dict[str, torch.Tensor])
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _scale_name(name: str, where: dict[str, Path]) -> str | None:
-    for candidate in (name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None,
-                      name + "_scale_inv"):
-        if candidate in where:
-            return candidate
-    return None
-
-
 def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
     """Tensor ``name`` of the open file ``f`` as float: e4m3 weights dequantized with their block scales."""
     kind = f.get_slice(name).get_dtype()
@@ -137,7 +130,7 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
     t = f.get_tensor(name)
     if kind != "F8_E4M3" and not fp4:
         return t
-    scale = _scale_name(name, where)
+    scale = scale_name(name, where)
     if scale is None:
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} has no scales ({name.removesuffix('.weight')}.scale "
                          f"or {name}_scale_inv)")
@@ -147,25 +140,21 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
-def _fp8_experts(where: dict[str, Path], config: DeepseekV4Config) -> bool:
-    """Whether the checkpoint's routed experts are official-layout e4m3 that can stay FP8."""
-    first = next((n for n in where if _EXPERT.match(n)), None)
-    if first is None:
-        return False
-    with safe_open(where[first], framework="pt") as f:
-        fp8 = f.get_slice(first).get_dtype() == "F8_E4M3"
-    if fp8 and config.moe_intermediate_size % GROUP:
-        logger.info("FP8 experts dequantized: moe_intermediate_size %d is not a multiple of %d",
-                    config.moe_intermediate_size, GROUP)
-    return fp8 and config.moe_intermediate_size % GROUP == 0
-
-
-def _keep_fp8_experts(model: DeepseekV4ForCausalLM, pow2_scales: bool) -> None:
-    """Give every MoE layer of ``model`` (on the meta device) e4m3 expert stacks with block scales."""
-    c = model.config
-    for layer in [*model.model.layers, *model.mtp]:
-        layer.mlp.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.swiglu_limit,
-                                    fp8=True, pow2_scales=pow2_scales)
+def read_dequantized(path: str | Path):
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint directory ``path`` as stored (its
+    own names), FP8 and FP4 weights dequantized to fp32 and their scale tensors left out: a
+    checkpoint any reader of bf16/fp32 weights takes (the layerwise check's transformers model)."""
+    files = checkpoint_files(Path(path))
+    where = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            where.update((name, file) for name in f.keys())
+    scales = {s for n in where if (s := scale_name(n, where))}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name not in scales:
+                    yield name, _read(f, name, where)
 
 
 def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Tensor:
@@ -176,22 +165,13 @@ def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Te
     return rows if half is None else rows.chunk(2)[half]
 
 
-def _read_fp8(f, name: str, where: dict[str, Path]) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 tensor ``name`` as stored, and its block scales as fp32."""
-    kind, scale = f.get_slice(name).get_dtype(), _scale_name(name, where)
-    if kind != "F8_E4M3" or scale is None:
-        raise ValueError(f"{name}: FP8 experts need every expert in e4m3 with block scales, got {kind}")
-    with safe_open(where[scale], framework="pt") as g:
-        return f.get_tensor(name), g.get_tensor(scale).float()
-
-
 def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                   mtp: bool = False, mode: str = "reference", keep_fp8: bool = True) -> DeepseekV4ForCausalLM:
     """Build :class:`DeepseekV4ForCausalLM` from the checkpoint directory ``path`` (either layout)
-    in ``mode`` ("reference": fp32 by default; "production": bf16 by default, FP8 caches, and FP8
-    routed experts kept e4m3 unless ``keep_fp8`` is False); ``mtp`` also loads its
-    multi-token-prediction layers. Raises ValueError naming every missing, unexpected or
-    mis-shaped tensor."""
+    in ``mode`` ("reference": fp32 by default, every weight dequantized; "production": bf16 by
+    default, FP8 caches, and FP8 linears and FP8/FP4 routed experts kept as stored unless
+    ``keep_fp8`` is False); ``mtp`` also loads its multi-token-prediction layers. Raises
+    ValueError naming every missing, unexpected or mis-shaped tensor."""
     path = Path(path)
     config = DeepseekV4Config.from_json(path)
     if mtp and config.num_nextn_predict_layers < 1:
@@ -200,16 +180,21 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
         dtype = dtype or (torch.bfloat16 if mode == "production" else torch.float32)
         model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0, mode)
     files = checkpoint_files(path)
-    where = {}
+    where, kinds = {}, {}  # checkpoint name -> its file, its safetensors dtype
     for file in files:
         with safe_open(file, framework="pt") as f:
-            where.update((name, file) for name in f.keys())
-    if mode == "production" and keep_fp8 and _fp8_experts(where, config):
+            for name in f.keys():
+                where[name], kinds[name] = file, f.get_slice(name).get_dtype()
+    if mode == "production" and keep_fp8:
+        names = set(model.state_dict())
+
+        def own(name: str) -> str | None:
+            return name if name in names else (model_name(name) or (None,))[0]
         with torch.device("meta"):
-            _keep_fp8_experts(model, (config.quantization_config or {}).get("scale_fmt") == "ue8m0")
+            keep_quantized(model, kinds, where, [n for n in where if _EXPERT.match(n)], own)
     model.to_empty(device=device)
     dests = model.state_dict(keep_vars=True)
-    scales = {s for n in where if (s := _scale_name(n, where))}
+    scales = {s for n in where if (s := scale_name(n, where))}
     loaded, unexpected, misshaped, skipped = set(), [], [], 0
     for file in tqdm(files, desc="loading shards", unit="file", leave=False):
         with safe_open(file, framework="pt") as f:
@@ -225,9 +210,9 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
                     continue
                 own, expert, half = target
                 parts = {own: _slot(dests[own].data, expert, half)}  # model tensor -> the rows to fill
-                if parts[own].dtype == E4M3:  # FP8 experts kept: the e4m3 rows and their scales
+                if parts[own].dtype in (E4M3, torch.uint8):  # kept FP8 / FP4: the stored rows and their scales
                     parts[own + SCALE_SUFFIX] = _slot(dests[own + SCALE_SUFFIX].data, expert, half)
-                    tensors = _read_fp8(f, name, where)
+                    tensors = read_quantized(f, name, where, *parts.values())
                 else:
                     tensors = (_read(f, name, where),)
                 bad = [f"{list(d.shape)}, got {list(t.shape)}" for d, t in zip(parts.values(), tensors)

@@ -7,9 +7,9 @@ normalized to sum 1 and times ``routed_scaling_factor``, weight their outputs. E
 the shared one) computes ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
 
 Experts are stacked as transformers stores them: ``gate_up_proj [E, 2I, H]`` (gate rows, then up
-rows) and ``down_proj [E, H, I]``. Two ways to run the routed experts (:class:`DeepseekV4MoE`):
-the fused path, ``runtime.moe.fused_moe`` (Triton grouped GEMMs on a GPU, the clip in their
-epilogue, no host sync), and the reference loop (:meth:`Experts.forward`, each used expert on its
+rows) and ``down_proj [E, H, I]`` (or quantized: :class:`Experts`). Two ways to run the routed
+experts (:class:`DeepseekV4MoE`): the fused path, ``runtime.moe.fused_moe`` (Triton grouped GEMMs
+on a GPU, the clip in their epilogue, no host sync), and the reference loop (:meth:`Experts.forward`, each used expert on its
 tokens in turn, a host sync per step; differentiable, for reference mode and fine-tuning).
 """
 
@@ -21,6 +21,7 @@ from torch import nn
 
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.models.linear import SCALE_SUFFIX
+from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.moe import fused_moe
@@ -73,28 +74,41 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """The routed experts, stacked. With ``fp8`` (an FP8 checkpoint loaded for production) the
     weights stay e4m3 with fp32 scales per 128x128 block, ``gate_up_proj_scale_inv [E, 2I/128,
-    ceil(H/128)]`` and ``down_proj_scale_inv [E, ceil(H/128), I/128]``, and run only through
-    ``fused_moe`` (activations quantized per token and 128 channels, power-of-two scales with
-    ``pow2_scales``)."""
+    ceil(H/128)]`` and ``down_proj_scale_inv [E, ceil(H/128), I/128]`` (activations quantized per
+    token and 128 channels, power-of-two scales with ``pow2_scales``). With ``fp4_scales`` (a
+    dtype: uint8 for UE8M0 exponent bytes, as the release stores them, or float32) they stay
+    packed FP4 as DeepSeek ships V4 (``runtime.fp4``): ``gate_up_proj [E, 2I, H/2]`` and
+    ``down_proj [E, H, I/2]`` uint8 with a scale per row and 32 inputs, ``gate_up_proj_scale_inv
+    [E, 2I, H/32]`` and ``down_proj_scale_inv [E, H, I/32]`` (bf16 activations). Quantized
+    experts run only through ``fused_moe``."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float, fp8: bool = False,
-                 pow2_scales: bool = False):
+                 pow2_scales: bool = False, fp4_scales: torch.dtype | None = None):
         super().__init__()
         if fp8 and intermediate % GROUP:
             raise ValueError(f"FP8 experts need moe_intermediate_size a multiple of {GROUP}, got {intermediate}")
-        self.limit, self.fp8, self.pow2_scales = limit, fp8, pow2_scales
-        dtype = E4M3 if fp8 else None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype),
-                                         requires_grad=not fp8)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype),
-                                      requires_grad=not fp8)
+        if fp4_scales is not None and (hidden % FP4_GROUP or intermediate % FP4_GROUP):
+            raise ValueError(f"FP4 experts need hidden_size and moe_intermediate_size multiples of {FP4_GROUP}, "
+                             f"got {hidden} and {intermediate}")
+        self.limit, self.fp8, self.pow2_scales, self.fp4 = limit, fp8, pow2_scales, fp4_scales is not None
+        self.quantized = self.fp8 or self.fp4
+        dtype, packing = (E4M3, 1) if fp8 else (torch.uint8, 2) if self.fp4 else (None, 1)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden // packing, dtype=dtype),
+                                         requires_grad=not self.quantized)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate // packing, dtype=dtype),
+                                      requires_grad=not self.quantized)
         if fp8:
             blocks, inter_blocks = -(-hidden // GROUP), intermediate // GROUP
             self.register_buffer("gate_up_proj" + SCALE_SUFFIX, torch.empty(num_experts, 2 * inter_blocks, blocks))
             self.register_buffer("down_proj" + SCALE_SUFFIX, torch.empty(num_experts, blocks, inter_blocks))
+        if self.fp4:
+            self.register_buffer("gate_up_proj" + SCALE_SUFFIX, torch.empty(
+                num_experts, 2 * intermediate, hidden // FP4_GROUP, dtype=fp4_scales))
+            self.register_buffer("down_proj" + SCALE_SUFFIX, torch.empty(
+                num_experts, hidden, intermediate // FP4_GROUP, dtype=fp4_scales))
 
     def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.fp8:
+        if not self.quantized:
             return None, None
         return getattr(self, "gate_up_proj" + SCALE_SUFFIX), getattr(self, "down_proj" + SCALE_SUFFIX)
 
@@ -117,8 +131,8 @@ class DeepseekV4MoE(nn.Module):
     experts through ``fused_moe``, graph-capturable (no host sync); anything else (fp32 reference
     mode, or autograd on: fine-tuning) runs the differentiable reference loop. A bf16 model in
     reference mode therefore takes the fused path too: it computes the same function, in fp32
-    accumulation. FP8 experts outside the fused path run ``fused_moe``'s reference backend on the
-    weights dequantized per expert (differentiable in x)."""
+    accumulation. Quantized (FP8 or FP4) experts outside the fused path run ``fused_moe``'s
+    reference backend on the weights dequantized per expert (differentiable in x)."""
 
     def __init__(self, config: DeepseekV4Config, hashed: bool):
         super().__init__()
@@ -131,7 +145,7 @@ class DeepseekV4MoE(nn.Module):
         """``x: [T, H]``, ``input_ids: [T]`` (hash routing reads them) -> ``[T, H]``."""
         weights, experts = self.gate(x, input_ids)
         fused = x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
-        if fused or self.experts.fp8:
+        if fused or self.experts.quantized:
             e = self.experts
             routed = fused_moe(x, e.gate_up_proj, e.down_proj, weights, experts, *e.scales(), pow2_scales=e.pow2_scales,
                                quantize_activations=fused, swiglu_limit=e.limit, backend=None if fused else "reference")

@@ -7,7 +7,9 @@ hundred tokens cross every boundary. The attention widths are V4's own (head_dim
 dims, indexer heads of 128: what production mode's FP8 caches take) unless ``small`` asks for
 head_dim 64 with 16 RoPE dims and indexer heads of 32 (reference mode only, 5x faster tests). Weights are bf16 (fp32 where
 DeepSeek keeps fp32), or with ``fp8`` e4m3 with power-of-two (ue8m0) scales per 128x128 block, as
-the release stores its linears. transformers' ``DeepseekV4ForCausalLM`` reads these checkpoints too.
+the release stores its linears, and with ``fp4_experts`` the routed experts packed FP4 with a UE8M0
+scale per 32 inputs (``runtime.fp4``), as the release stores them. transformers'
+``DeepseekV4ForCausalLM`` reads the bf16 and FP8 checkpoints too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flashdsa.models.deepseek_v4_loader import official_tensors
 from flashdsa.models.loader import dequantize_blocks
 from flashdsa.models.tiny import save_shards
 from flashdsa.models.tiny_tokenizer import save_tokenizer
+from flashdsa.runtime.fp4 import quantize_fp4
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP, quantize_weight
 
@@ -98,8 +101,20 @@ def to_fp8_ue8m0(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 0, shards: int = 1,
-                            small: bool = False) -> Path:
+def to_fp4_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The routed experts' ``w1/w2/w3`` packed FP4 (int8) with ``<name>.scale`` UE8M0 (float8_e8m0fnu)
+    per row and 32 inputs, as the release stores them; the other tensors as they are."""
+    out = {}
+    for name, w in weights.items():
+        if ".ffn.experts." in name:
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp4(w)
+        else:
+            out[name] = w
+    return out
+
+
+def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, fp4_experts: bool = False, seed: int = 0,
+                            shards: int = 1, small: bool = False) -> Path:
     """Write a tiny random DeepSeek-V4 checkpoint (config, official-layout weights with the MTP layer,
     tokenizer) into ``path`` (created if missing); ``small``: the narrow attention (module docstring)."""
     path = Path(path)
@@ -108,7 +123,10 @@ def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, seed: int = 
     if fp8:
         config.quantization_config = dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0",
                                           activation_scheme="dynamic", weight_block_size=[GROUP, GROUP])
+    if fp4_experts:
+        config.expert_dtype = "fp4"
     weights = random_v4_weights(config, seed)
+    weights = to_fp4_experts(weights) if fp4_experts else weights
     save_shards(path, to_fp8_ue8m0(weights) if fp8 else weights, shards)
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2))

@@ -5,6 +5,8 @@
 production mode it runs the block-scaled FP8 GEMM of ``flashdsa.runtime.gemm`` (activations
 quantized per token and 128 channels); in reference mode it dequantizes the weight for the one
 call and multiplies in the activations' precision, so the result matches a dequantized checkpoint.
+``FP8GroupedLinear`` is the same for a grouped projection (DeepSeek-V4's ``wo_a``): one FP8 GEMM
+per group over that group's rows.
 """
 
 from __future__ import annotations
@@ -32,12 +34,38 @@ class FP8Linear(nn.Module):
         self.register_buffer("weight" + SCALE_SUFFIX, torch.empty(scale_shape, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.weight, self.weight_scale_inv)
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``x: [..., K] @ (w: [N, K] e4m3 * its block scales)^T`` -> ``[..., N]`` in x's dtype."""
         if self.quantize_activations:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, pow2_scales=self.pow2_scales)
-        return F.linear(x, dequantize_weight(self.weight, self.weight_scale_inv).to(x.dtype))
+            return fp8_linear(x, w, scale, pow2_scales=self.pow2_scales)
+        return F.linear(x, dequantize_weight(w, scale).to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
+
+
+class FP8GroupedLinear(FP8Linear):
+    """``x: [S, groups, in] -> [S, groups * out]``: group g's ``in`` features through the weight rows
+    ``[g*out, (g+1)*out)`` (e4m3, ``[groups * out, in]`` with its 128x128 block scales). ``out`` must
+    be a multiple of 128, so that every group owns whole scale blocks; each group is one FP8 GEMM."""
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int, quantize_activations: bool = True,
+                 pow2_scales: bool = False):
+        if out_per_group % GROUP:
+            raise ValueError(f"FP8 grouped weights need out_per_group a multiple of {GROUP}, got {out_per_group}")
+        super().__init__(in_per_group, groups * out_per_group, quantize_activations, pow2_scales)
+        self.groups, self.out_per_group = groups, out_per_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, blocks = self.out_per_group, self.out_per_group // GROUP
+        return torch.cat([self._matmul(x[:, g], self.weight[g * rows:(g + 1) * rows],
+                                       self.weight_scale_inv[g * blocks:(g + 1) * blocks])
+                          for g in range(self.groups)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, groups={self.groups}"
 
 
 def replace_linears(model: nn.Module, names: set[str], quantize_activations: bool, pow2_scales: bool) -> None:

@@ -120,7 +120,7 @@ V4_FLASH_CONFIG = dict(
     hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0,
     rope_scaling=dict(type="yarn", factor=16, beta_fast=32, beta_slow=1, original_max_position_embeddings=65536),
     max_position_embeddings=1048576, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    num_nextn_predict_layers=0,
+    num_nextn_predict_layers=0, expert_dtype="fp4",
     quantization_config=dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0", activation_scheme="dynamic",
                              weight_block_size=[128, 128]),
 )
@@ -141,16 +141,19 @@ def v4_flash_config(num_layers: int = 4, **overrides) -> dict:
 def write_random_v4_checkpoint(path: str | Path, raw_config: dict, device: str | torch.device = "cpu",
                                seed: int = 0) -> Path:
     """config.json, one shard per layer (e4m3 with UE8M0 block scales where the release is FP8, when
-    the config says so) and a word-level tokenizer, in DeepSeek-V4's official layout."""
+    the config has a ``quantization_config``; the routed experts packed FP4 with UE8M0 scales per 32
+    inputs under ``expert_dtype: fp4``, as the release) and a word-level tokenizer, in DeepSeek-V4's
+    official layout."""
     from flashdsa.models.deepseek_v4_config import DeepseekV4Config
-    from flashdsa.models.deepseek_v4_tiny import random_v4_weights, to_fp8_ue8m0
+    from flashdsa.models.deepseek_v4_tiny import random_v4_weights, to_fp4_experts, to_fp8_ue8m0
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = DeepseekV4Config.from_dict(dict(raw_config))
     groups = [lambda n: not n.startswith("model.layers.")]
     groups += [lambda n, i=i: n.startswith(f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
-    fp8 = bool(raw_config.get("quantization_config"))
+    fp8, fp4 = bool(raw_config.get("quantization_config")), raw_config.get("expert_dtype") == "fp4"
     shards = (random_v4_weights(config, seed + i, device, only, mtp_layers=0) for i, only in enumerate(groups))
+    shards = (to_fp4_experts(t) if fp4 else t for t in shards)
     return _write_checkpoint(path, (to_fp8_ue8m0(t) if fp8 else t for t in shards), len(groups), raw_config,
                              config.vocab_size)

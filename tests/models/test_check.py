@@ -47,6 +47,15 @@ def test_check_passes_on_a_deepseek_v4_checkpoint(v4_tiny, mode, capsys):
     assert [row[3] for row in rows] != ["-"] * 4 and [row[3] for row in rows][::2] == ["-", "-"]
 
 
+@pytest.mark.parametrize("fp4_experts", [False, True])
+def test_check_passes_on_a_deepseek_v4_fp8_checkpoint_in_production(tmp_path, capsys, fp4_experts):
+    """The release's formats (FP8 linears, and FP4 experts) kept in production mode pass check
+    against transformers on the checkpoint dequantized."""
+    path = make_tiny_v4_checkpoint(tmp_path, fp8=True, fp4_experts=fp4_experts, seed=2)
+    assert main(["check", "--model", str(path), "--mode", "production", "--tokens", "260"]) == 0
+    assert "PASS (production" in capsys.readouterr().out
+
+
 def test_written_configs_give_transformers_one_kv_head_per_query_head(shrunk):
     """transformers views MLA as multi-head attention: without num_key_value_heads its eager
     attention breaks (the shipped default model's config lacked it)."""

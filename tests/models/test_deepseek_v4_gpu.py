@@ -1,6 +1,7 @@
 """GPU: DeepSeek-V4 in production mode (Triton kernels, FP8 MODEL1 caches) passes check, and its
 decode step is sync-free and replays as a CUDA graph with the eager step's logits and cache writes
-(what ``supports_cuda_graphs = True`` rests on; passed on an H100 in session 5)."""
+(what ``supports_cuda_graphs = True`` rests on; passed on an H100 in session 5), with bf16 weights and
+with the release's FP8 linears and FP4 experts."""
 
 import copy
 
@@ -17,9 +18,12 @@ from flashdsa.runtime.metadata import BatchMetadata
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4gpu"), seed=6)
+@pytest.fixture(scope="module", params=["bf16", "release"])
+def checkpoint(tmp_path_factory, request):
+    """bf16 weights, or the release's formats kept in production mode (FP8 linears: the Triton FP8
+    GEMM; FP4 experts: fused_moe's FP4 path)."""
+    release = request.param == "release"
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4gpu"), seed=6, fp8=release, fp4_experts=release)
 
 
 def test_production_mode_passes_check_on_the_gpu(checkpoint, capsys):

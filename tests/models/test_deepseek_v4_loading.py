@@ -142,3 +142,99 @@ def test_make_tiny_cli_writes_a_v4_checkpoint(tmp_path):
     assert main(["make-tiny", str(tmp_path / "v4"), "--arch", "deepseek_v4"]) == 0
     assert model_type(tmp_path / "v4") == "deepseek_v4"
     assert load_v4_model(tmp_path / "v4", mtp=True).mtp
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+
+
+def _file_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def test_fp8_checkpoint_keeps_its_linears_e4m3_in_production(tmp_path, monkeypatch):
+    """Every e4m3 tensor of the release-like checkpoint (o_lora_rank and moe_intermediate_size
+    widened to 128: whole scale blocks for the grouped wo_a and the experts) stays e4m3 in the
+    production model, which then holds about the file's bytes (the dequantized one 1.6x here, where
+    bf16 embeddings and fp32 parts weigh much), and its
+    logits track the dequantized load's within the FP8 GEMM's activation rounding."""
+    from flashdsa.models.deepseek_v4_loader import model_name
+    from flashdsa.models.linear import FP8GroupedLinear, FP8Linear
+
+    monkeypatch.setitem(TINY, "moe_intermediate_size", 128)
+    monkeypatch.setitem(TINY, "o_lora_rank", 128)
+    seed = int(torch.randint(1000, (1,)))
+    path = make_tiny_v4_checkpoint(tmp_path, fp8=True, seed=seed)
+    kept = load_v4_model(path, mode="production", mtp=True)
+    dequantized = load_v4_model(path, mode="production", mtp=True, keep_fp8=False)
+    stored, dests = load_file(path / "model.safetensors"), kept.state_dict()
+    fp8_names = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8_names) > 40
+    for name in fp8_names:
+        own, expert, half = model_name(name)
+        assert dests[own].dtype == torch.float8_e4m3fn, own
+        if expert is None:
+            module = kept.get_submodule(own.removesuffix(".weight"))
+            assert isinstance(module, FP8Linear) and module.pow2_scales, own
+            assert torch.equal(dests[own].view(torch.uint8), stored[name].view(torch.uint8)), own
+    assert isinstance(kept.model.layers[0].self_attn.o_a_proj, FP8GroupedLinear)
+    assert kept.lm_head.weight.dtype == torch.bfloat16  # bf16 in the checkpoint: as stored
+    resident, file = _resident_bytes(kept), _file_bytes(path)
+    assert resident < 1.05 * file and _resident_bytes(dequantized) > 1.5 * file, (resident, file)
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(seed))
+    cosine = _cosine(kept.forward_sequence(ids).logits, dequantized.forward_sequence(ids).logits)
+    # e4m3 activations with power-of-two scales in every linear and expert: mean cosine ~0.99,
+    # the bound is `check`'s production threshold
+    assert cosine.mean() > 0.985 and cosine.min() > 0.8, f"seed {seed}: cosine {cosine.mean():.4f}, {cosine.min():.4f}"
+
+
+def test_narrow_grouped_output_projection_stays_dequantized(tmp_path):
+    """o_lora_rank 16 (< one 128-row scale block a group): wo_a stays a dequantized GroupedLinear,
+    the other e4m3 linears are kept; reference mode dequantizes everything."""
+    from flashdsa.models.deepseek_v4_attention import GroupedLinear
+    from flashdsa.models.linear import FP8Linear
+
+    path = make_tiny_v4_checkpoint(tmp_path, fp8=True, seed=3)
+    attn = load_v4_model(path, mode="production").model.layers[1].self_attn
+    assert type(attn.o_a_proj) is GroupedLinear and attn.o_a_proj.weight.dtype == torch.bfloat16
+    assert isinstance(attn.q_b_proj, FP8Linear) and isinstance(attn.compressor.indexer.q_b_proj, FP8Linear)
+    assert type(attn.compressor.kv_proj) is torch.nn.Linear  # bf16 in the release
+    reference = load_v4_model(path)
+    assert all(t.dtype in (torch.float32, torch.int64) for t in reference.state_dict().values())
+
+
+def test_fp4_experts_stay_packed_in_production(tmp_path, random_ids):
+    """The release's FP4 experts load as packed bytes with UE8M0 exponent scales (a quarter of the
+    bf16 bytes, scales 1/64) and compute what the dequantized model computes: FP4 values
+    times powers of two are exact in bf16."""
+    path = make_tiny_v4_checkpoint(tmp_path, fp4_experts=True, seed=5)
+    kept = load_v4_model(path, mode="production", mtp=True)
+    dequantized = load_v4_model(path, mode="production", mtp=True, keep_fp8=False)
+    stored = load_file(path / "model.safetensors")
+    for layer, plain in zip([*kept.model.layers, *kept.mtp], [*dequantized.model.layers, *dequantized.mtp]):
+        experts, want = layer.mlp.experts, plain.mlp.experts
+        assert experts.fp4 and not want.quantized
+        for w, scale, bf16 in zip((experts.gate_up_proj, experts.down_proj), experts.scales(),
+                                  (want.gate_up_proj, want.down_proj)):
+            assert w.dtype == scale.dtype == torch.uint8 and 4 * w.nbytes == bf16.nbytes == 64 * scale.nbytes
+    assert torch.equal(kept.model.layers[2].mlp.experts.down_proj[3],
+                       stored["layers.2.ffn.experts.3.w2.weight"].view(torch.uint8))
+    ids = random_ids(48)
+    # on CPU both run fused_moe's reference on the same bf16 weight values: the same logits
+    torch.testing.assert_close(kept.forward_sequence(ids).logits, dequantized.forward_sequence(ids).logits,
+                               rtol=0, atol=0)
+
+
+def test_fp8_release_layout_with_fp4_experts_loads_in_production(tmp_path, random_ids):
+    """FP8 linears and FP4 experts together, as DeepSeek ships V4."""
+    path = make_tiny_v4_checkpoint(tmp_path, fp8=True, fp4_experts=True, seed=6)
+    kept = load_v4_model(path, mode="production")
+    assert kept.model.layers[3].mlp.experts.fp4
+    assert kept.model.layers[3].mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
+    ids = random_ids(32)
+    cosine = _cosine(kept.forward_sequence(ids).logits, load_v4_model(path).forward_sequence(ids).logits)
+    assert cosine.mean() > 0.985 and cosine.min() > 0.8, f"cosine {cosine.mean():.4f}, {cosine.min():.4f}"

@@ -44,6 +44,7 @@ def test_random_v4_flash_checkpoint_covers_every_attention_type_and_generates(tm
     path = write_random_v4_checkpoint(tmp_path, raw)
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert "layers.1.attn.wq_b.scale" in index  # FP8 with UE8M0 block scales, as the release
+    assert "layers.1.ffn.experts.0.w1.scale" in index  # FP4 experts, as the release
     llm = LLM(str(path), device="cpu", max_num_seqs=2)
     out = llm.generate([[5, 6, 7], [8] * 140], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(r.outputs[0].token_ids) for r in out] == [3, 3]

@@ -60,6 +60,25 @@ def moe_inputs(tokens: int, top_k: int, num_experts: int, hidden: int, inter: in
     return args
 
 
+def with_fp4_weights(args: dict, scale_dtype: torch.dtype = torch.uint8) -> dict:
+    """``args`` (bf16 experts) with w13, w2 quantized to packed FP4 per expert (``runtime.fp4``) and
+    their scales as UE8M0 exponent bytes (uint8), float8_e8m0fnu, or fp32 (here not powers of two:
+    the UE8M0 scales times a random factor in [1, 2), so the kernel's bf16 rounding of w is exercised)."""
+    from flashdsa.runtime.fp4 import quantize_fp4
+
+    out = dict(args)
+    for name in ("w13", "w2"):
+        packed, scales = zip(*(quantize_fp4(w) for w in args[name]))
+        scale = torch.stack(scales)
+        if scale_dtype == torch.uint8:
+            scale = scale.view(torch.uint8)
+        elif scale_dtype == torch.float32:
+            factor = torch.rand(scale.shape, generator=torch.Generator().manual_seed(SEED)).to(scale.device) + 1
+            scale = scale.float() * factor
+        out[name], out[name + "_scale"] = torch.stack(packed), scale
+    return out
+
+
 def alignment_cases() -> list[tuple[str, torch.Tensor, int, int]]:
     """(name, expert_ids, E, block_m): the corners the contract names."""
     g = generator(1)
@@ -121,10 +140,16 @@ def dense_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """Plain float64 re-statement, pair by pair, on dequantized weights and unquantized activations
     (``swiglu_limit``: V4's clipped SwiGLU)."""
+    from flashdsa.runtime.fp4 import dequantize_fp4
     from flashdsa.runtime.gemm.reference import dequantize_weight
 
     def weight(w, scale, e):
-        return (w[e].double() if scale is None else dequantize_weight(w[e], scale[e]).double())
+        if scale is None:
+            return w[e].double()
+        if w.dtype in (torch.uint8, torch.int8):
+            scale = scale[e].view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale[e]
+            return dequantize_fp4(w[e], scale).double()
+        return dequantize_weight(w[e], scale[e]).double()
 
     out = torch.zeros(x.shape, dtype=torch.float64)
     inter = w13.shape[1] // 2

@@ -8,7 +8,7 @@ import torch
 
 from flashdsa.runtime.moe import fused_moe
 from flashdsa.testing import poisoned
-from moe_cases import SEED, assert_clip_matters, dense_moe, generator, moe_inputs
+from moe_cases import SEED, assert_clip_matters, dense_moe, generator, moe_inputs, with_fp4_weights
 
 
 def close_to_dense(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
@@ -54,6 +54,22 @@ def test_reference_clipped_swiglu_matches_the_dense_restatement(fp8):
     if fp8:
         dequantized = fused_moe(**args, quantize_activations=False, swiglu_limit=limit, backend="reference")
         close_to_dense(dequantized, dense_moe(**args, swiglu_limit=limit), 2**-6)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu, torch.float32])
+@pytest.mark.parametrize("tokens, top_k, experts, hidden, inter", [(1, 1, 1, 32, 32), (9, 3, 5, 160, 96),
+                                                                   (16, 6, 32, 64, 32)])
+def test_reference_fp4_matches_the_dense_restatement(scale_dtype, tokens, top_k, experts, hidden, inter):
+    """Packed FP4 experts (K = H and I multiples of 32, not of 128) on unquantized activations:
+    only the bf16 roundings of the intermediate and the pair outputs separate them from float64."""
+    args = with_fp4_weights(moe_inputs(tokens, top_k, experts, hidden, inter, False, generator(tokens, hidden),
+                                       invalid=0.2), scale_dtype)
+    assert args["w13"].dtype == torch.int8 and args["w13_scale"].dtype == scale_dtype
+    close_to_dense(fused_moe(**args, backend="reference"), dense_moe(**args), 2**-6)
+    limit = 0.5
+    assert_clip_matters(args, limit)
+    close_to_dense(fused_moe(**args, swiglu_limit=limit, backend="reference"), dense_moe(**args, swiglu_limit=limit),
+                   2**-6)
 
 
 def test_out_buffer_and_no_tokens():
@@ -113,6 +129,30 @@ def test_bad_arguments_name_themselves(change, message):
 ])
 def test_bad_fp8_scales_name_themselves(change, message):
     args = moe_inputs(3, 2, 4, 16, 8, True, generator(7))
+    with pytest.raises(ValueError) as e:
+        fused_moe(**(args | change))
+    assert message in str(e.value)
+
+
+def fp4_args() -> dict:
+    return with_fp4_weights(moe_inputs(3, 2, 4, 64, 32, False, generator(8)))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(x=torch.zeros(3, 48, dtype=torch.bfloat16)), "FP4 experts need H a multiple of 32, got x [3, 48]"),
+    (dict(w13=torch.zeros(4, 64, 64, dtype=torch.uint8)), "w13 must be bfloat16 or e4m3 [E, 2*I, H=64] or packed FP4"),
+    (dict(w13=torch.zeros(4, 40, 32, dtype=torch.uint8)), "FP4 experts need I a multiple of 32, got w13 [4, 40, 32]"),
+    (dict(w2=torch.zeros(4, 64, 16, dtype=torch.int8)), "w2 must be uint8 [E=4, H=64, I/2=16] like w13"),
+    (dict(w2=torch.zeros(4, 64, 32, dtype=torch.uint8)), "w2 must be uint8 [E=4, H=64, I/2=16] like w13"),
+    (dict(w13_scale=None), "w13_scale must be a tensor uint8/float8_e8m0fnu (UE8M0) or fp32 [4, 64, 2]"),
+    (dict(w13_scale=torch.zeros(4, 64, 2, dtype=torch.bfloat16)), "w13_scale must be uint8/float8_e8m0fnu"),
+    (dict(w2_scale=torch.zeros(4, 64, 2, dtype=torch.uint8)),
+     "w2_scale must be uint8/float8_e8m0fnu (UE8M0) or fp32 [4, 64, 1]"),
+    (dict(w2_scale=torch.zeros(4, 64, 1)), "w2_scale must have w13_scale's dtype uint8"),
+])
+def test_bad_fp4_arguments_name_themselves(change, message):
+    args = fp4_args()
+    args["w13"], args["w2"] = args["w13"].view(torch.uint8), args["w2"].view(torch.uint8)
     with pytest.raises(ValueError) as e:
         fused_moe(**(args | change))
     assert message in str(e.value)

@@ -16,7 +16,7 @@ import torch
 from flashdsa.runtime.moe import align_tokens, fused_moe, max_blocks, select_experts
 from flashdsa.testing import flood_cuda_allocator_with_nan, kernel_test_main, poisoned, run_under_interpreter
 from moe_cases import (SEED, alignment_cases, assert_clip_matters, assert_moe_close, check_alignment, generator,
-                       moe_inputs)
+                       moe_inputs, with_fp4_weights)
 
 V32 = dict(num_experts=256, top_k=8, hidden=7168, inter=2048)
 
@@ -76,10 +76,32 @@ def run_interpreter_cases() -> None:
         assert_clip_matters(clipped, 0.5)  # V4's clipped SwiGLU at a limit most gate and up values cross
         check_fused(clipped, fp8, pow2_scales=fp8, swiglu_limit=0.5, config=small_tiles)
         check_fused(clipped, fp8, swiglu_limit=0.5)
+    run_fp4_interpreter_cases(small_tiles, block_m_32)
     crowded = moe_inputs(20, 2, 4, 64, 32, True, generator(4))
     crowded["expert_ids"][:] = 1  # all 40 pairs on one expert (3 blocks), experts 0, 2, 3 idle
     check_fused(crowded, True, config=small_tiles)
     check_fused(moe_inputs(0, 2, 4, 64, 32, False, generator(5)), False, config=small_tiles)
+
+
+def run_fp4_interpreter_cases(small_tiles, block_m_32) -> None:
+    """Packed FP4 experts (bf16 activations, fp32 accumulation): the bf16 tolerance, as the kernel's
+    bf16 weight tile equals the reference's dequantized weights (UE8M0 scales) or rounds them once
+    (fp32 scales). K = H and I multiples of 32 but not of 128, some experts idle, ids invalid."""
+    from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
+    from flashdsa.runtime.moe.triton.grouped_gemm import Tile
+
+    k32_tiles = MoeConfig(16, Tile(16, 32, group_m=3), Tile(32, 64, group_m=1))  # one scale group a K step
+    for scale_dtype, tokens, top_k, experts, hidden, inter in (
+            (torch.uint8, 7, 3, 6, 160, 96), (torch.float32, 5, 2, 9, 96, 32),
+            (torch.float8_e8m0fnu, 1, 6, 8, 224, 64)):
+        args = with_fp4_weights(moe_inputs(tokens, top_k, experts, hidden, inter, False,
+                                           generator(7, tokens, experts), invalid=0.15), scale_dtype)
+        check_fused(args, False)  # the public op: the default (decode) config, block_k 256 > K
+        if scale_dtype != torch.float8_e8m0fnu:  # the backend takes the bytes the public op hands it
+            args["w13"], args["w2"] = args["w13"].view(torch.uint8), args["w2"].view(torch.uint8)
+            check_fused(args, False, config=k32_tiles)
+            check_fused(args, False, swiglu_limit=0.5, config=small_tiles)
+            check_fused(args, False, config=block_m_32, chunk_tokens=3)
 
 
 def test_triton_moe_under_interpreter():
@@ -119,12 +141,16 @@ def test_v32_shapes_match_reference(tokens, fp8, v32_experts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32, 512])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_v4_clipped_swiglu_matches_reference(tokens, fp8):
+@pytest.mark.parametrize("tokens", [1, 32, 128, 512])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp4"])
+def test_v4_clipped_swiglu_matches_reference(tokens, weights):
     """DeepSeek-V4-Flash's expert widths (H=4096, I=2048, top-6; 64 of its 256 experts to keep the
-    reference quick) with the SwiGLU clipped at 0.75, which most gate and up values cross."""
+    reference quick) with the SwiGLU clipped at 0.75, which most gate and up values cross; bf16,
+    FP8 and the release's packed FP4 (UE8M0 exponent bytes) experts."""
+    fp8 = weights == "fp8"
     args = moe_inputs(tokens, 6, 64, 4096, 2048, fp8, generator(30, tokens, fp8), invalid=0.05, device=cuda)
+    if weights == "fp4":
+        args = with_fp4_weights(args)
     plain = fused_moe(**args, pow2_scales=fp8, backend="reference").double()
     clipped = fused_moe(**args, pow2_scales=fp8, swiglu_limit=0.75, backend="reference").double()
     assert (clipped - plain).abs().max() > 0.25 * clipped.abs().max(), f"seed {SEED}: the clip hardly matters"
@@ -178,6 +204,7 @@ def run_memcheck_case() -> None:
     """Small GPU cases of every MoE kernel (invalid ids, padding, idle experts) for compute-sanitizer."""
     for fp8 in (False, True):
         check_fused(moe_inputs(33, 4, 12, 300, 136, fp8, generator(20, fp8), invalid=0.1, device=cuda), fp8)
+    check_fused(with_fp4_weights(moe_inputs(33, 4, 12, 288, 96, False, generator(22), invalid=0.1, device=cuda)), False)
     ids = moe_inputs(1500, 8, 20, 1, 1, False, generator(21), invalid=0.1)["expert_ids"]
     check_triton_alignment(ids.to(cuda), 20, 64)
     torch.cuda.synchronize()

@@ -13,8 +13,9 @@ On the triton backend nothing reads a device value back to the host and every si
 on the input shapes, so a decode step built on these ops can be captured in a CUDA graph.
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device; loops over the
-experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 or FP8 e4m3 weights with
-128x128 block scales; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64).
+experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 weights, FP8 e4m3 weights
+with 128x128 block scales, or FP4 e2m1 weights packed two a byte with a power-of-two scale per 32
+inputs, DeepSeek-V4's release format; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64).
 Registered targets: ``{align_tokens, fused_moe, select_experts}`` -> ``flashdsa.runtime.moe.reference:<op>``
 and ``flashdsa.runtime.moe.triton.{align,fused_moe,routing}:<op>``.
 """
@@ -28,6 +29,7 @@ import torch
 
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.checks import check, check_tensor, describe
+from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.moe.alignment import AlignedPairs, max_blocks
 
@@ -37,6 +39,8 @@ SCALE_GROUP = 128  # rows and columns per FP8 weight-scale block
 TRITON_MAX_EXPERTS = 1024  # the triton alignment holds one counter per expert in registers
 TRITON_MAX_ROUTED, TRITON_MAX_TOP_K = 4096, 64  # a routing row in registers; top_k unrolled rounds
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32, torch.float64)  # fp32/fp64: reference only (fp64: gradchecks)
+FP4_DTYPES = (torch.uint8, torch.int8)  # packed e2m1 pairs (int8 as DeepSeek stores them, read as bytes)
+FP4_SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu, torch.float32)  # UE8M0 (exponent byte or e8m0) or fp32
 
 
 def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequantized_fp8: bool = False,
@@ -137,24 +141,42 @@ def align_tokens(expert_ids: torch.Tensor, num_experts: int, block_m: int, *,
 
 
 def _check_weights(x, w13, w2, w13_scale, w2_scale) -> None:
-    """w13: [E, 2I, H], w2: [E, H, I], both x's dtype, or both e4m3 with their block scales."""
+    """w13: [E, 2I, H], w2: [E, H, I], both x's dtype, or both e4m3 with their block scales, or
+    both packed FP4 (``[E, 2I, H/2]``, ``[E, H, I/2]``) with a scale per row and 32 inputs."""
     hidden, device = x.shape[1], x.device
-    dtypes = (x.dtype, E4M3)
-    check_tensor("w13", w13, dtypes, [None, None, hidden], f"{_name(x.dtype)} or e4m3 [E, 2*I, H={hidden}]",
-                 device)
+    fp4 = isinstance(w13, torch.Tensor) and w13.dtype in FP4_DTYPES
+    if fp4:
+        check(hidden % FP4_GROUP == 0, f"FP4 experts need H a multiple of {FP4_GROUP}, got x {list(x.shape)}")
+    packing = 2 if fp4 else 1  # inputs a stored element
+    check_tensor("w13", w13, (x.dtype, E4M3, *FP4_DTYPES), [None, None, hidden // packing],
+                 f"{_name(x.dtype)} or e4m3 [E, 2*I, H={hidden}] or packed FP4 uint8/int8 [E, 2*I, H/2]", device)
     num_experts, two_inter = w13.shape[:2]
     check(num_experts >= 1 and two_inter >= 2 and two_inter % 2 == 0,
           f"w13 must stack gate and up rows [E >= 1, 2*I >= 2, H], got {list(w13.shape)}")
     inter = two_inter // 2
-    check_tensor("w2", w2, w13.dtype, [num_experts, hidden, inter],
-                 f"{_name(w13.dtype)} [E={num_experts}, H={hidden}, I={inter}] like w13", device)
-    fp8 = w13.dtype == E4M3
+    check(not fp4 or inter % FP4_GROUP == 0, f"FP4 experts need I a multiple of {FP4_GROUP}, got w13 {list(w13.shape)}")
+    check_tensor("w2", w2, w13.dtype, [num_experts, hidden, inter // packing],
+                 f"{_name(w13.dtype)} [E={num_experts}, H={hidden}, I{'/2' if fp4 else ''}={inter // packing}] "
+                 "like w13", device)
     for name, scale, rows, cols in (("w13_scale", w13_scale, two_inter, hidden), ("w2_scale", w2_scale, hidden, inter)):
-        if not fp8:
-            check(scale is None, f"{name} must be None for {_name(w13.dtype)} weights (only FP8 weights have scales)")
-            continue
-        shape = [num_experts, -(-rows // SCALE_GROUP), -(-cols // SCALE_GROUP)]
-        check_tensor(name, scale, torch.float32, shape, f"fp32 {shape} (one scale per 128x128 block)", device)
+        if fp4:
+            shape = [num_experts, rows, cols // FP4_GROUP]
+            check_tensor(name, scale, FP4_SCALE_DTYPES, shape,
+                         f"uint8/float8_e8m0fnu (UE8M0) or fp32 {shape} (one scale per row and 32 inputs)", device)
+        elif w13.dtype == E4M3:
+            shape = [num_experts, -(-rows // SCALE_GROUP), -(-cols // SCALE_GROUP)]
+            check_tensor(name, scale, torch.float32, shape, f"fp32 {shape} (one scale per 128x128 block)", device)
+        else:
+            check(scale is None,
+                  f"{name} must be None for {_name(w13.dtype)} weights (only FP8/FP4 weights have scales)")
+    if fp4:
+        check(w13_scale.dtype == w2_scale.dtype, f"w2_scale must have w13_scale's dtype {_name(w13_scale.dtype)}, "
+                                                 f"got {describe(w2_scale)}")
+
+
+def _as_bytes(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A packed FP4 weight (int8) or a UE8M0 scale (float8_e8m0fnu) as the uint8 bytes the kernels read."""
+    return t.view(torch.uint8) if t is not None and t.dtype in (torch.int8, torch.float8_e8m0fnu) else t
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
@@ -170,11 +192,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     x: [T, H] bf16 (fp32: reference backend only). w13: [E, 2*I, H], gate rows then up rows;
     w2: [E, H, I]; both x's dtype, or both float8_e4m3fn with w13_scale [E, ceil(2I/128),
     ceil(H/128)] and w2_scale [E, ceil(H/128), ceil(I/128)] fp32 (``w ~= w_fp8 * scale`` per
-    128x128 block). With FP8 weights the activations are quantized per token and 128 channels by
+    128x128 block), or both packed FP4 (``runtime.fp4``: e2m1 pairs, low nibble first) uint8/int8
+    w13 [E, 2*I, H/2], w2 [E, H, I/2] with w13_scale [E, 2*I, H/32] and w2_scale [E, H, I/32]
+    UE8M0 (uint8 exponent bytes or float8_e8m0fnu) or fp32 (H and I multiples of 32); FP4 weights
+    are dequantized to x's dtype in the GEMMs and multiply unquantized activations. With FP8
+    weights the activations are quantized per token and 128 channels by
     ``runtime.gemm.quantize_activations`` (power-of-two scales with ``pow2_scales``); with
     ``quantize_activations=False`` (reference backend only) the weights are dequantized instead
     and multiplied in fp32, as a dequantized checkpoint would be. Both flags are ignored for bf16
-    weights. weights: [T, top_k] fp32; expert_ids: [T, top_k] int32, ids outside [0, E) skipped.
+    and FP4 weights. weights: [T, top_k] fp32; expert_ids: [T, top_k] int32, ids outside [0, E)
+    skipped.
     out: optional [T, H] buffer of x's dtype to write (a CUDA graph's static output).
     Products accumulate in fp32; the intermediate ``silu(gate) * up`` and each pair's weighted
     output are rounded to x's dtype; the sum over the k pairs is fp32. Returns out [T, H].
@@ -198,5 +225,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     dequantized_fp8 = w13.dtype == E4M3 and not quantize_activations
     impl = dispatch.select("fused_moe", x.device, backend, num_experts=w13.shape[0], dtype=x.dtype,
                            dequantized_fp8=dequantized_fp8)
+    w13, w2, w13_scale, w2_scale = (_as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
     return impl(x, w13, w2, weights, expert_ids, w13_scale, w2_scale, pow2_scales, quantize_activations, out,
                 swiglu_limit=swiglu_limit)

@@ -4,7 +4,8 @@ Launches per call: the alignment (1, or 2 past 1024 pairs), the gate/up grouped 
 ``silu(gate) * up`` in its epilogue (gate and up clipped first under a ``swiglu_limit``), the
 down grouped GEMM scaling each pair by its routing weight, and the combine (the fp32 sum of each
 token's k pair rows); FP8 weights add the activation quantizer
-(``runtime.gemm.quantize_activations``) before each GEMM. Every buffer size follows from
+(``runtime.gemm.quantize_activations``) before each GEMM; FP4 weights (packed e2m1, ``runtime.fp4``)
+are unpacked to bf16 inside the GEMMs' K loops, the activations staying bf16. Every buffer size follows from
 the shapes (the alignment's static block bound), so the call can be captured in a CUDA graph.
 Past ``CHUNK_TOKENS`` tokens the call runs chunk by chunk, so its buffers stay bounded.
 
@@ -42,27 +43,42 @@ class MoeConfig:
     down: Tile
 
 
-# (largest mean pairs per expert, bf16 config, FP8 config): the first row whose bound holds.
-# FP8 tiles keep block_k dividing 128 (one scale per step). Written without a GPU run (each fits
-# Hopper's shared memory with its pipeline stages): `bench_moe.py --sweep` is what fixes them.
-HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig], ...] = (
+WEIGHT_FORMATS = ("bf16", "fp8", "fp4")  # the expert weights' storage, the HEURISTIC's columns
+
+# (largest mean pairs per expert, bf16 config, FP8 config, FP4 config): the first row whose bound
+# holds. FP8 tiles keep block_k dividing 128 (one scale per step), FP4 tiles a multiple of 32 (whole
+# scale groups; wide at decode, where a step reads only block_k / 2 bytes a weight row). Written
+# without a GPU run (each fits Hopper's shared memory with its pipeline stages):
+# `bench_moe.py --sweep` is what fixes them.
+HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig, MoeConfig], ...] = (
     (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
-     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
+     MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4))),
     (16, MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4)),
+     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
     (48, MoeConfig(32, Tile(64, 64, 4, 4), Tile(128, 64, 4, 4)),
-     MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3))),
+     MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3)),
+     MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 64, 4, 3))),
     (math.inf, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
-     MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3))),
+     MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
+     MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3))),
 )
 
 
-def choose_config(num_pairs: int, num_experts: int, fp8: bool) -> MoeConfig:
-    """The launch shape for ``num_pairs`` (token, slot) pairs over ``num_experts`` experts."""
+def weight_format(w13: torch.Tensor) -> str:
+    """Which of WEIGHT_FORMATS the stacked expert weight ``w13`` is stored in."""
+    return {torch.float8_e4m3fn: "fp8", torch.uint8: "fp4"}.get(w13.dtype, "bf16")
+
+
+def choose_config(num_pairs: int, num_experts: int, weights: str) -> MoeConfig:
+    """The launch shape for ``num_pairs`` (token, slot) pairs over ``num_experts`` experts whose
+    weights are stored as ``weights`` (one of WEIGHT_FORMATS)."""
     per_expert = num_pairs / num_experts
-    for bound, bf16_config, fp8_config in HEURISTIC:
-        if per_expert <= bound:
-            return fp8_config if fp8 else bf16_config
+    column = 1 + WEIGHT_FORMATS.index(weights)
+    for row in HEURISTIC:
+        if per_expert <= row[0]:
+            return row[column]
     raise AssertionError("the last HEURISTIC row has no bound")
 
 
@@ -86,7 +102,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               pow2_scales: bool, quantize: bool, out: Optional[torch.Tensor], *,
               swiglu_limit: Optional[float] = None, config: Optional[MoeConfig] = None,
               chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
-    """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``), run
+    """The public ``fused_moe`` (arguments checked there; FP8 weights only with ``quantize``; FP4
+    weights uint8 with uint8 or fp32 scales), run
     ``chunk_tokens`` tokens at a time; ``config`` overrides :func:`choose_config` (benchmark sweeps)."""
     out = torch.empty_like(x) if out is None else out
     for start in range(0, x.shape[0], chunk_tokens):
@@ -104,8 +121,9 @@ def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    fp8 = w13_scale is not None
-    config = config or choose_config(tokens * top_k, num_experts, fp8)
+    weights_format = weight_format(w13)
+    fp8 = weights_format == "fp8"
+    config = config or choose_config(tokens * top_k, num_experts, weights_format)
     num_blocks = max_blocks(tokens * top_k, num_experts, config.block_m)
     aligned = align_tokens(expert_ids, num_experts, config.block_m, num_blocks)
     a, a_scale = quantize_activations(x, pow2_scales=pow2_scales) if fp8 else (x, None)

@@ -13,6 +13,12 @@ block (weights): each BLOCK_K step (BLOCK_K divides 128) adds its dot times both
 fp32 accumulator. On SM90 an FP8 dot adds inside its step with reduced precision and is promoted
 to fp32 once per step, as DeepGEMM promotes once per 128.
 
+FP4 weights (``FP4``: DeepSeek-V4's routed experts, ``runtime.fp4``) are packed e2m1 pairs
+``[E, N, K/2]`` uint8 with one power-of-two scale per 32 inputs ``[E, N, K/32]`` (UE8M0 exponent
+bytes, or fp32); each K step unpacks its weight tile to bf16 in registers (exact for UE8M0
+scales: an e2m1 value times a power of two) and multiplies it by the bf16 activations, so a
+decode step reads a quarter of the bf16 weight bytes.
+
 Program ids walk ``GROUP_M`` blocks down one column tile before the next tile, so a group's
 activations and an expert's weight tile are reused from L2.
 """
@@ -26,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.moe.alignment import AlignedPairs
 
 SCALE_GROUP = 128  # rows and columns per weight-scale block, columns per activation scale
@@ -56,6 +63,47 @@ def _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_r
 
 
 @triton.jit
+def _load_fp4_tile(w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row,
+                   BLOCK_K: tl.constexpr, FP4_GROUP: tl.constexpr):
+    """Weight rows ``rows`` x columns ``[k0, k0 + BLOCK_K)`` of a packed FP4 weight, as bf16
+    (columns past ``k`` are 0). Byte j holds column 2j (low nibble) and 2j+1 (high nibble); a
+    nibble is sign, 2 exponent bits, 1 mantissa bit: magnitude ``m / 2`` (exponent 0) or
+    ``(2 + m) * 2^(e - 2)``, here in halves as an integer up to 12."""
+    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = row_ok[:, None] & (cols < k // 2)[None, :]
+    packed = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=mask, other=0).to(tl.int32)
+    nibbles = tl.join(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K / 2, 2]: columns 2j, 2j + 1
+    code = nibbles & 7
+    exponent, mantissa = code >> 1, code & 1
+    halves = tl.where(exponent == 0, mantissa, ((2 + mantissa) << exponent) >> 1)
+    halves = tl.where((nibbles & 8) != 0, -halves, halves)
+    groups = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)
+    scale_mask = row_ok[:, None] & (groups < k // FP4_GROUP)[None, :]
+    scale = tl.load(w_scale_base + rows.to(tl.int64)[:, None] * stride_scale_row + groups[None, :], mask=scale_mask,
+                    other=0)
+    if w_scale_base.dtype.element_ty == tl.uint8:  # UE8M0: the exponent byte, bias 127
+        scale = tl.exp2(scale.to(tl.float32) - 127.0)
+    values = tl.reshape(halves.to(tl.float32), (rows.shape[0], BLOCK_K // FP4_GROUP, FP4_GROUP))
+    values = values * (0.5 * scale)[:, :, None]
+    return tl.reshape(values, (rows.shape[0], BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_weight(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, k, stride_row, stride_scale_row,
+                 FP8: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                 FP4_GROUP: tl.constexpr):
+    """The weight tile of this K step and its per-row scale (1.0 but for FP8)."""
+    if FP4:
+        w = _load_fp4_tile(w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row, BLOCK_K,
+                           FP4_GROUP)
+        scale = 1.0
+    else:
+        w, scale = _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_row, stride_scale_row,
+                                     FP8, SCALE_GROUP)
+    return w, scale
+
+
+@triton.jit
 def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
     """acc + a @ w^T; FP8 products are scaled by the row (token) and column (weight row) scales."""
     if FP8:
@@ -68,12 +116,13 @@ def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, route_weights_ptr,
     n, k, num_blocks, top_k, swiglu_limit,
     stride_a, stride_a_scale, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row, stride_out,
-    GATED: tl.constexpr, CLIP: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr,
+    GATED: tl.constexpr, CLIP: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SCALE_GROUP: tl.constexpr,
+    SCALE_GROUP: tl.constexpr, FP4_GROUP: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] output tile: aligned block ``block`` times column tile ``tile_n`` of
-    its expert's weight (``n`` output columns, gate and up each when GATED; ``k`` inputs)."""
+    its expert's weight (``n`` output columns, gate and up each when GATED; ``k`` inputs, which
+    FP4 packs two a byte)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(n, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -104,12 +153,12 @@ def _grouped_gemm_kernel(
         a_scale = 1.0
         if FP8:
             a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
-        w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
-                                       stride_scale_row, FP8, SCALE_GROUP)
+        w, w_scale = _load_weight(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, k, stride_w_row,
+                                  stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
         acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
         if GATED:
-            w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, stride_w_row,
-                                           stride_scale_row, FP8, SCALE_GROUP)
+            w, w_scale = _load_weight(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, k, stride_w_row,
+                                      stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
             acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
     if GATED:
         if CLIP:
@@ -135,27 +184,30 @@ def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
     a: [T, K] (gathered by token: the gate/up GEMM, ``gated``) or [rows, K] in aligned order (the
     down GEMM, with ``route_weights``: [T * top_k] fp32); bf16, or e4m3 with ``a_scale``
     [., ceil(K/128)] fp32. w: [E, N, K] (``gated``: [E, 2n, K], gate rows then up rows), bf16 or
-    e4m3 with ``w_scale`` [E, ceil(N/128), ceil(K/128)]. out: [rows, n] in aligned order, or with
-    ``route_weights`` [T * top_k, N] at each pair's row (rows of invalid pairs are not written).
-    swiglu_limit: clip gate and up before ``silu(gate) * up`` (``gated`` only).
+    e4m3 with ``w_scale`` [E, ceil(N/128), ceil(K/128)], or packed FP4 [E, N, K/2] uint8 with
+    ``w_scale`` [E, N, K/32] uint8 (UE8M0 exponents) or fp32 (bf16 ``a``; K a multiple of 32).
+    out: [rows, n] in aligned order, or with ``route_weights`` [T * top_k, N] at each pair's row
+    (rows of invalid pairs are not written). swiglu_limit: clip gate and up before
+    ``silu(gate) * up`` (``gated`` only).
     """
-    fp8 = a_scale is not None
+    fp8, fp4 = a_scale is not None, w.dtype == torch.uint8
     num_blocks = aligned.block_experts.numel()
     block_m = aligned.sorted_pairs.numel() // max(num_blocks, 1)
     n = w.shape[1] // 2 if gated else w.shape[1]
-    k = w.shape[2]
+    k = w.shape[2] * (2 if fp4 else 1)
     if num_blocks == 0:
         return
     assert not fp8 or SCALE_GROUP % tile.block_k == 0, f"FP8 needs block_k dividing {SCALE_GROUP}, got {tile.block_k}"
-    weighted = route_weights is not None
+    assert not fp4 or tile.block_k % FP4_GROUP == 0, f"FP4 needs block_k a multiple of {FP4_GROUP}, got {tile.block_k}"
+    weighted, scaled = route_weights is not None, fp8 or fp4
     assert gated or swiglu_limit is None, "swiglu_limit clips the gated GEMM's epilogue only"
     grid = (num_blocks * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
-        a, a_scale if fp8 else a, w, w_scale if fp8 else w, out, aligned.sorted_pairs, aligned.block_experts,
+        a, a_scale if fp8 else a, w, w_scale if scaled else w, out, aligned.sorted_pairs, aligned.block_experts,
         route_weights if weighted else out, n, k, num_blocks, top_k, 0.0 if swiglu_limit is None else swiglu_limit,
         a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
-        w_scale.stride(0) if fp8 else 0, w_scale.stride(1) if fp8 else 0, out.stride(0),
-        GATED=gated, CLIP=swiglu_limit is not None, WEIGHTED=weighted, FP8=fp8, BLOCK_M=block_m,
+        w_scale.stride(0) if scaled else 0, w_scale.stride(1) if scaled else 0, out.stride(0),
+        GATED=gated, CLIP=swiglu_limit is not None, WEIGHTED=weighted, FP8=fp8, FP4=fp4, BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, SCALE_GROUP=SCALE_GROUP,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        FP4_GROUP=FP4_GROUP, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
