@@ -64,7 +64,7 @@ def supports(on: Optional[torch.device] = None, capability: Optional[tuple[int, 
     once-per-device probe."""
     if capability is None or capability < MIN_CAPABILITY:
         return f"cublas blockwise FP8 needs compute capability >= {MIN_CAPABILITY}, got {capability}"
-    return shape_refusal(m, n, k, out_dtype) or probe(on)
+    return shape_refusal(m, n, k, out_dtype) or probe(on or torch.device("cuda"))
 
 
 def probe(device: torch.device) -> Optional[str]:
