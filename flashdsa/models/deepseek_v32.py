@@ -34,7 +34,7 @@ from flashdsa.models.caches import (
 )
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.indexer import Indexer
-from flashdsa.models.linear import replace_linears
+from flashdsa.models.linear import FusedLinear, fusion_refusal, replace_linears
 from flashdsa.models.moe import MLP, MoE
 from flashdsa.models.rope import RopeAt, Rotary
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM, KV_LORA_RANK, ROPE_DIM
@@ -76,6 +76,18 @@ class RMSNorm(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1]), (x if h is None else h.view(x.shape))
 
 
+def absorbed_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """The 576-wide MQA query ``[q_nope[h] @ W_UK[h] ; q_pe[h]]``: ``[T, H, kv_lora_rank + rope]`` from
+    ``q_nope: [T, H, nope]``, ``q_pe: [T, H, rope]``, ``w_uk: [H, nope, kv_lora_rank]``. The batched
+    product writes straight into the first channels of the result (a strided view), so the 2.4 GB
+    query of a 16K prefill is never copied by a concatenation."""
+    T, H, rope = q_pe.shape
+    q = q_pe.new_empty(T, H, w_uk.shape[-1] + rope)
+    torch.bmm(q_nope.transpose(0, 1), w_uk, out=q[..., : w_uk.shape[-1]].transpose(0, 1))  # [H, T, 512] view
+    q[..., w_uk.shape[-1]:] = q_pe
+    return q
+
+
 class MLA(nn.Module):
     """Multi-head latent attention with the indexer's sparse selection; names follow the checkpoint.
 
@@ -95,27 +107,39 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * c.v_head_dim, c.hidden_size, bias=False)
         self.indexer = Indexer(c)
+        self.fused_input: FusedLinear | None = None  # see fuse_input_projections
+
+    def fuse_input_projections(self) -> None:
+        """For inference: run q_a_proj, the indexer's wk and kv_a_proj_with_mqa, which all read x, as one
+        GEMM ``[q_lora_rank | index_head_dim | kv_lora_rank + rope]`` (1536 | 128 | 576 in V3.2: every
+        128-row FP8 scale block stays inside one part). The three modules keep their weights as views
+        (training and checkpoints use them as before). Idempotent; layers that cannot fuse stay as they are."""
+        parts = [self.q_a_proj, self.indexer.wk, self.kv_a_proj_with_mqa]
+        if self.fused_input is None and fusion_refusal(parts) is None:
+            self.fused_input = FusedLinear(parts)
 
     def forward(self, x: torch.Tensor, rope: RopeAt, meta: BatchMetadata, mla_pool: torch.Tensor,
                 index_pool: torch.Tensor):
         """x: [T, hidden] -> [T, hidden]; writes this step's tokens into both pools first."""
         c, T, H = self.config, x.shape[0], self.n_heads
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, q_lora_rank]
+        if self.fused_input is None:
+            q_a, index_k, kv_a = self.q_a_proj(x), None, self.kv_a_proj_with_mqa(x)
+        else:  # one GEMM: [T, q_lora_rank], [T, index_head_dim], [T, kv_lora_rank + rope]
+            q_a, index_k, kv_a = self.fused_input(x)
+        q_resid = self.q_a_layernorm(q_a)  # [T, q_lora_rank]
         q = self.q_b_proj(q_resid).view(T, H, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)  # [T, H, 128], [T, H, 64]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        c_kv, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, 512]
         q_pe, k_pe = rope(q_pe, k_pe, interleaved=True)  # [T, H, 64], [T, 64]
         store_latent(mla_pool, c_kv, k_pe, meta.slot_mapping)
 
-        selected = self.indexer(x, q_resid, rope, meta, index_pool)  # [T, topk] positions
+        selected = self.indexer(x, q_resid, rope, meta, index_pool, index_k)  # [T, topk] positions
         slots = positions_to_slots(selected, meta, mla_pool.shape[1])  # [T, topk] slot ids
 
         w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, 128, 512] each
-        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
-        o_lat = self._attend(q, mla_pool, slots)  # [T, H, 512]
+        o_lat = self._attend(absorbed_query(q_nope, q_pe, w_uk), mla_pool, slots)  # [T, H, 512]
         o = torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v_head_dim]
         return self.shard.all_reduce(self.o_proj(o.flatten(1)))
 
@@ -195,6 +219,15 @@ class DeepseekV32ForCausalLM(nn.Module):
         if self.mode == "reference" or name.endswith(FP32_PARAMS):
             return torch.float32
         return torch.bfloat16
+
+    def prepare_for_inference(self) -> None:
+        """Once loaded, before serving (the model runner calls it): in production mode each MLA runs
+        its three input projections as one GEMM (:meth:`MLA.fuse_input_projections`). Reference mode,
+        the layer-by-layer oracle, keeps them apart. Idempotent."""
+        if self.mode == "production":
+            for module in self.modules():
+                if isinstance(module, MLA):
+                    module.fuse_input_projections()
 
     @property
     def device(self) -> torch.device:

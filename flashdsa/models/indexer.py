@@ -68,22 +68,26 @@ class Indexer(nn.Module):
         rope: RopeAt,
         meta: BatchMetadata,
         pool: torch.Tensor,
+        k_proj: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: [T, hidden], q_resid: [T, q_lora_rank] -> selected positions [T, index_topk] int32 (-1 pad).
+        ``k_proj``: ``wk(x)`` [T, D] when the caller computed it (MLA's fused input projection).
 
         Writes this step's keys into ``pool`` (the layer's indexer cache) first."""
-        q, k, w = self.project(x, q_resid, rope)
+        q, k, w = self.project(x, q_resid, rope, k_proj)
         store_index_key(pool, k, meta.slot_mapping)
         if pool.dtype == torch.uint8:
             return self._fp8_select(q, w, meta, pool)
         return self.topk(self._exact_logits(q, w, meta, pool))  # [T, topk]
 
-    def project(self, x: torch.Tensor, q_resid: torch.Tensor,
-                rope: RopeAt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, q_resid: torch.Tensor, rope: RopeAt,
+                k_proj: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries ``[T, H_I, D]``, keys ``[T, D]`` (both RoPE'd) and head weights ``[T, H_I]`` fp32
-        (``H_I^-0.5`` folded in) of x: [T, hidden], q_resid: [T, q_lora_rank]; shared with training."""
+        (``H_I^-0.5`` folded in) of x: [T, hidden], q_resid: [T, q_lora_rank] (``k_proj``: wk(x) if
+        already computed); shared with training."""
         q = self.wq_b(q_resid).view(x.shape[0], self.n_heads, self.head_dim)
-        q, k = rope(q, self.k_norm(self.wk(x)), interleaved=False)  # the first qk_rope_head_dim dims rotated
+        k_proj = self.wk(x) if k_proj is None else k_proj
+        q, k = rope(q, self.k_norm(k_proj), interleaved=False)  # the first qk_rope_head_dim dims rotated
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         return q, k, w
 

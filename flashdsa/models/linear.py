@@ -6,10 +6,13 @@ production mode it runs the block-scaled FP8 GEMM of ``flashdsa.runtime.gemm`` (
 quantized per token and 128 channels); in reference mode it dequantizes the weight for the one
 call and multiplies in the activations' precision, so the result matches a dequantized checkpoint.
 ``FP8GroupedLinear`` is the same for a grouped projection (DeepSeek-V4's ``wo_a``): one FP8 GEMM
-per group over that group's rows.
+per group over that group's rows. ``FusedLinear`` runs several layers that read the same input as
+one GEMM (inference only).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +22,15 @@ from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP, dequantize_weight, fp8_linear
 
 SCALE_SUFFIX = "_scale_inv"  # checkpoint name of an e4m3 tensor's block scales: "<name>_scale_inv"
+
+
+def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, quantize_activations: bool,
+                        pow2_scales: bool) -> torch.Tensor:
+    """``x: [..., in]`` through the e4m3 ``weight: [out, in]`` with 128x128 block ``scale`` -> ``[..., out]``:
+    the FP8 GEMM on quantized activations, or (``quantize_activations=False``) the dequantized weight."""
+    if quantize_activations:
+        return fp8_linear(x, weight, scale, pow2_scales=pow2_scales)
+    return F.linear(x, dequantize_weight(weight, scale).to(x.dtype))
 
 
 class FP8Linear(nn.Module):
@@ -38,9 +50,7 @@ class FP8Linear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``x: [..., K] @ (w: [N, K] e4m3 * its block scales)^T`` -> ``[..., N]`` in x's dtype."""
-        if self.quantize_activations:
-            return fp8_linear(x, w, scale, pow2_scales=self.pow2_scales)
-        return F.linear(x, dequantize_weight(w, scale).to(x.dtype))
+        return block_scaled_linear(x, w, scale, self.quantize_activations, self.pow2_scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block 128x128"
@@ -75,3 +85,63 @@ def replace_linears(model: nn.Module, names: set[str], quantize_activations: boo
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
         setattr(parent, child, FP8Linear(old.in_features, old.out_features, quantize_activations, pow2_scales))
+
+
+class FusedLinear(nn.Module):
+    """Linear layers that read the same input, run as one GEMM (one activation quantization, one
+    launch): ``forward(x: [..., in]) -> (y_1, ..., y_n)`` with ``y_i: [..., out_i]`` (strided views).
+
+    Built once the parts are loaded on their device: the parts' weights (and FP8 block scales) become
+    row views of the fused ones, so no memory is added, the parts keep their names, state-dict entries
+    and autograd use, and an in-place update of either side shows in the other. The fused tensors are
+    non-persistent buffers (not in the state dict); moving the model afterwards copies them apart
+    (still correct, the memory no longer shared). See :func:`fusion_refusal` for what fuses.
+    """
+
+    def __init__(self, parts: Sequence[nn.Module]):
+        super().__init__()
+        reason = fusion_refusal(parts)
+        if reason is not None:
+            raise ValueError(f"cannot fuse these linear layers: {reason}")
+        first = parts[0]
+        self.sizes = [p.out_features for p in parts]
+        self.fp8 = isinstance(first, FP8Linear)
+        self.register_buffer("weight", torch.cat([p.weight.detach() for p in parts]), persistent=False)
+        for part, rows in zip(parts, self.weight.split(self.sizes)):
+            part.weight.data = rows
+        if self.fp8:
+            self.quantize_activations, self.pow2_scales = first.quantize_activations, first.pow2_scales
+            scales = [p.weight_scale_inv for p in parts]
+            self.register_buffer("weight" + SCALE_SUFFIX, torch.cat(scales), persistent=False)
+            for part, blocks in zip(parts, self.weight_scale_inv.split([s.shape[0] for s in scales])):
+                part.weight_scale_inv = blocks
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.fp8:
+            y = block_scaled_linear(x, self.weight, self.weight_scale_inv, self.quantize_activations, self.pow2_scales)
+        else:
+            y = F.linear(x, self.weight)
+        return y.split(self.sizes, -1)
+
+    def extra_repr(self) -> str:
+        return f"out_features={'+'.join(map(str, self.sizes))}{', fp8 block 128x128' if self.fp8 else ''}"
+
+
+def fusion_refusal(parts: Sequence[nn.Module]) -> Optional[str]:
+    """Why ``parts`` cannot run as one :class:`FusedLinear`, or None. They must be all bias-free
+    ``nn.Linear`` or all ``FP8Linear`` quantizing activations alike, with one input width, dtype and
+    device; FP8 parts but the last must end on a 128-row scale block, or a fused block would mix two
+    parts' scales."""
+    kinds = {type(p) for p in parts}
+    if len(parts) < 2 or len(kinds) != 1 or kinds.pop() not in (nn.Linear, FP8Linear):
+        return f"needs two or more layers, all nn.Linear or all FP8Linear, got {[type(p).__name__ for p in parts]}"
+    if any(getattr(p, "bias", None) is not None for p in parts):
+        return "a layer has a bias"
+    if len({(p.in_features, p.weight.dtype, p.weight.device) for p in parts}) != 1:
+        return f"input widths, dtypes or devices differ: {[(p.in_features, p.weight.dtype, p.weight.device) for p in parts]}"
+    if isinstance(parts[0], FP8Linear):
+        if len({(p.quantize_activations, p.pow2_scales) for p in parts}) != 1:
+            return "the layers quantize their activations differently"
+        if any(p.out_features % GROUP for p in parts[:-1]):
+            return f"FP8 parts but the last need out_features % {GROUP} == 0, got {[p.out_features for p in parts]}"
+    return None

@@ -4,7 +4,8 @@ Each op registers one implementation per backend as a lazy ``"module:function"``
 importing flashdsa never imports Triton or builds CUDA code. ``select`` picks the fastest
 backend that can serve the call: a forced backend (argument or ``FLASHDSA_BACKEND``) that
 cannot serve raises ``ValueError`` with its reason; an automatic choice that falls back to a
-slower backend logs the reason once.
+slower backend logs the reason once. A backend may also decline a call it could run (``Declined``:
+another is faster at that shape); that is a choice, not a fallback, so nothing is logged.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("cuda", "triton", "reference")  # fastest first
+BACKENDS = ("cuda", "cublas", "triton", "reference")  # fastest first
 ENV_VAR = "FLASHDSA_BACKEND"
 
 # A support check gets the call's keyword "shape facts" and returns None or why it cannot serve.
 SupportCheck = Callable[..., Optional[str]]
+
+
+class Declined(str):
+    """A support check's answer when the backend could serve the call but another is faster at this
+    shape: automatic selection moves on without logging; a forced backend runs anyway."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ def _unavailable(op: str, backend: str, device: torch.device, facts: dict) -> Op
     return reason
 
 
-def select(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> Callable:
-    """Return the implementation of ``op`` for ``device``.
+def choose(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> str:
+    """The name of the backend that runs ``op`` on ``device``.
 
     backend: None picks automatically (``FLASHDSA_BACKEND`` forces one when set).
     facts: keyword shape facts handed to each backend's support check (e.g. ``h_q=128``).
@@ -93,9 +99,9 @@ def select(op: str, device: torch.device, backend: Optional[str] = None, **facts
         if forced not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
         reason = _unavailable(op, forced, device, facts)
-        if reason is not None:
+        if reason is not None and not isinstance(reason, Declined):
             raise ValueError(f"backend {forced!r} cannot run {op}: {reason}")
-        return _load(_REGISTRY[op][forced].target)
+        return forced
     reasons = []
     for name in BACKENDS:
         reason = _unavailable(op, name, device, facts)
@@ -103,10 +109,15 @@ def select(op: str, device: torch.device, backend: Optional[str] = None, **facts
             if reasons and device.type == "cuda" and (op, name) not in _warned:
                 _warned.add((op, name))
                 logger.warning("%s falls back to %s on %s: %s", op, name, device, "; ".join(reasons))
-            return _load(_REGISTRY[op][name].target)
-        if name in _REGISTRY.get(op, {}):
+            return name
+        if name in _REGISTRY.get(op, {}) and not isinstance(reason, Declined):
             reasons.append(reason)
     raise ValueError(f"no backend can run {op} on {device}: {'; '.join(reasons)}")
+
+
+def select(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> Callable:
+    """Return the implementation of ``op`` for ``device`` (the backend :func:`choose` names)."""
+    return _load(_REGISTRY[op][choose(op, device, backend, **facts)].target)
 
 
 def available(op: str) -> list[str]:

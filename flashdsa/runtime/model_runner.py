@@ -81,6 +81,7 @@ class ModelRunner:
                  max_model_len: int = 0, enforce_eager: bool = True, speculative: bool = False,
                  prefix_caching: bool = False) -> None:
         self.model = model
+        getattr(model, "prepare_for_inference", lambda: None)()  # e.g. fused projections, before any capture
         self.device = device
         self.speculative = speculative
         # the last step's metadata (None: it ran as a graph), hidden states and input ids on the device

@@ -7,8 +7,10 @@ DeepSeek-V3.2 uses power-of-two scales there (``scale_fmt: ue8m0``). The product
 fp32. A last group narrower than 128 (K or N not a multiple of 128) is scaled by its own amax.
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device: dequantizes the
-operands of each call, never a whole model) and ``triton`` (CUDA; the GEMM needs FP8 tensor cores,
-compute capability >= 8.9, the quantizer any CUDA GPU). The Triton GEMM picks its launch shape
+operands of each call, never a whole model), ``triton`` (CUDA; the GEMM needs FP8 tensor cores,
+compute capability >= 8.9, the quantizer any CUDA GPU) and, for the GEMM at M >= 256 (prefill),
+``cublas`` (``torch._scaled_mm`` with blockwise scales, Hopper onwards, probed once per device;
+``cublas.py`` says which shapes it takes). The Triton GEMM picks its launch shape
 from (M, N, K) alone (``triton/configs.py``): nothing is timed at run time, so every call can be
 captured in a CUDA graph. Neither op reads a device value back to the host.
 """
@@ -25,7 +27,8 @@ from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import reference
 from flashdsa.runtime.gemm.reference import GROUP
 
-__all__ = ["GROUP", "quantize_activations", "quantize_weight", "dequantize_weight", "fp8_gemm", "fp8_linear"]
+__all__ = ["GROUP", "quantize_activations", "quantize_weight", "dequantize_weight", "fp8_gemm", "fp8_gemm_backend",
+           "fp8_linear"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -40,10 +43,17 @@ def _triton_gemm_supports(capability: Optional[tuple[int, int]] = None, **_) -> 
     return None
 
 
+def _cublas_gemm_supports(**facts) -> Optional[str]:
+    from flashdsa.runtime.gemm.cublas import supports  # imported on first use, like the backends
+
+    return supports(**facts)
+
+
 for _op in ("quantize_activations", "fp8_gemm"):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
 dispatch.register("quantize_activations", "triton", f"{__name__}.triton.quantize:quantize_activations")
 dispatch.register("fp8_gemm", "triton", f"{__name__}.triton.gemm:fp8_gemm", supports=_triton_gemm_supports)
+dispatch.register("fp8_gemm", "cublas", f"{__name__}.cublas:fp8_gemm", supports=_cublas_gemm_supports)
 
 
 def _groups(n: int) -> int:
@@ -105,10 +115,22 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_
     """
     _check_gemm(x_fp8, x_scale, w_fp8, w_scale)
     check(out_dtype in FLOAT_DTYPES, f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype}")
-    device = x_fp8.device
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    impl = dispatch.select("fp8_gemm", device, backend, capability=capability)
+    impl = dispatch.select("fp8_gemm", x_fp8.device, backend,
+                           **_gemm_facts(x_fp8.shape[0], w_fp8.shape[0], x_fp8.shape[1], x_fp8.device, out_dtype))
     return impl(x_fp8, x_scale, w_fp8, w_scale, out_dtype)
+
+
+def _gemm_facts(m: int, n: int, k: int, device: torch.device, out_dtype: torch.dtype) -> dict:
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return dict(on=device, capability=capability, m=m, n=n, k=k, out_dtype=out_dtype)
+
+
+def fp8_gemm_backend(m: int, n: int, k: int, device: torch.device, out_dtype: torch.dtype = torch.bfloat16, *,
+                     backend: Optional[str] = None) -> str:
+    """The backend :func:`fp8_gemm` runs ``[m, k] x [n, k]^T -> out_dtype`` on ``device`` with (benchmarks
+    name it in their rows)."""
+    device = torch.device(device)
+    return dispatch.choose("fp8_gemm", device, backend, **_gemm_facts(m, n, k, device, out_dtype))
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, pow2_scales: bool = False,

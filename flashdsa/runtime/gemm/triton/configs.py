@@ -34,6 +34,7 @@ V32_LINEAR_SHAPES = {  # (N, K) of DeepSeek-V3.2's FP8 linear layers: what the h
     "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
     "o_proj": (7168, 16384), "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432),
     "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048), "wq_b": (8192, 1536), "wk": (128, 7168),
+    "qkv_a_fused": (2240, 7168),  # q_a | wk | kv_a as one GEMM at inference (MLA.fuse_input_projections)
 }
 
 
