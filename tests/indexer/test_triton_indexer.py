@@ -313,6 +313,12 @@ def run_memcheck_case() -> None:
     inputs = ragged_inputs(9, 64, 700, cuda, generator(5))
     check_ragged(*inputs)
     check_fused(*inputs, 64, 256)
+    inputs, ends = causal_inputs(300, 64, 2000, cuda, generator(9))
+    check_fused(*inputs, 256, 512, False, ends, budget=1 << 20, whole_keys=1900)  # groups, the last rows chunked
+    from flashdsa.runtime.indexer.triton import fused_topk
+
+    short = fused_topk.indexer_fused_topk(*inputs, 256, 512, False, ends // 2, budget=1 << 20)  # bounds below the ends
+    assert ((short >= -1) & (short < 2000)).all()  # some keys lost, nothing read or written out of bounds
     check_paged(*paged_inputs(3, 2, 64, [2, 65, 300], cuda, generator(6)))
     check_topk(tricky_logits(4, 900, cuda, generator(7)), 1024)
     hadamard_transform(torch.randn(7, 128, device=cuda), backend="triton")
