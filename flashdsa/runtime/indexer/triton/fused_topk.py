@@ -11,7 +11,8 @@ selection rewrites it in place, a selection and a sort per chunk, so O(rows * (t
 
 Group widths come from host bounds on the row ends (``max_ends``; without them every row may
 reach the last key), so nothing is read back from the device. A bound below a row's true end
-costs that row its keys past the bound; no kernel reads or writes outside its buffers.
+costs that row its keys past its group's width; no kernel reads or writes outside its buffers.
+Memory: scores, candidate lists and per-row selection scratch each take at most the budget.
 """
 
 from __future__ import annotations
