@@ -34,9 +34,11 @@ def random_site(tokens: int, n: int, dim: int, dtype: torch.dtype, device, head:
 
 
 def assert_streams_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """fp32: ~1e-5; bf16: one rounding apart (a sum's order may move a value across a rounding boundary)."""
+    """fp32: ~1e-5; bf16: two roundings apart (the reference's own bf16 steps: a sum's order may move a
+    value across a rounding boundary, and on the GPU cuBLAS's bf16 matmul rounds its sum once more:
+    2 ulps seen at T 128, D 4096 on an H100)."""
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {got.shape}"
-    tol = 2**-7 if got.dtype == torch.bfloat16 else 1e-5
+    tol = 2**-6 if got.dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{what} (seed {SEED}): {m}")
 
 
