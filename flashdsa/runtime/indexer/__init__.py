@@ -42,7 +42,7 @@ _TRITON_MODULE = {
 
 
 TRITON_MAX_TOPK = 8192  # the triton top-k sorts its selection in registers
-CUDA_MAX_TOPK = 2048  # MAX_TOPK of cuda/topk_common.cuh: the selection is held and sorted in shared memory
+CUDA_MAX_TOPK = 2048  # MAX_TOPK of cuda/topk.cu: the selection is held and sorted in shared memory
 
 
 def _triton_supports(

@@ -1,7 +1,5 @@
-// Indexer top-k, streaming: one CTA per row reads the row from global memory for each pass, a
-// radix select on the scores' order-preserving 32-bit keys, then a sort (or a merge by position)
-// of the selection in shared memory. Rows short enough for shared memory take topk_cluster.cu's
-// kernel instead (read once, spread over a cluster); launch_indexer_topk picks.
+// Indexer top-k for Hopper: one CTA per row, a radix select on the scores' order-preserving
+// 32-bit keys, then a sort (or a merge by position) of the selection in shared memory.
 //
 // Contract (flashdsa.runtime.indexer.indexer_topk): out[row] holds the columns of the topk
 // largest finite scores of logits[row, start:end), by descending score with ties to the lower
@@ -21,14 +19,28 @@
 //     column comes first); unsorted: the two column-ordered lists are merged.
 // Scores stream through 128-bit loads (each row's tiles start at a 16-byte aligned column).
 
-#include "topk_common.cuh"
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <cub/block/block_radix_sort.cuh>
 
 namespace flashdsa {
 namespace {
 
+constexpr int THREADS = 512;
+constexpr int VEC = 4;                   // scores per 128-bit load
 constexpr int LOADS = 2;                 // 128-bit loads per thread and tile (4 spill at 64 registers)
+constexpr int MAX_TOPK = 2048;           // the selection is held and sorted in shared memory
 constexpr int CAND_CAP = 4096;           // threshold-bin scores resolved in shared memory
+constexpr int BINS = 2048;               // 11-bit digits
+constexpr int LEVELS = 3;
+// key digits, most significant first: bits [21, 32), [10, 21), [0, 10)
+__host__ __device__ constexpr int shift_of(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
+__host__ __device__ constexpr int bits_of(int level) { return level == 2 ? 10 : 11; }
+constexpr int SORT_ITEMS = MAX_TOPK / THREADS;
 constexpr int CAND_ITEMS = CAND_CAP / THREADS;
+constexpr int WARPS = THREADS / 32;
+
+using Sort = cub::BlockRadixSort<uint32_t, THREADS, SORT_ITEMS, int>;
 
 struct Shared {
   union {
@@ -41,19 +53,81 @@ struct Shared {
   };
   uint32_t sel_key[MAX_TOPK];
   int sel_pos[MAX_TOPK];
-  Scratch scratch;
+  ulonglong2 warp_sums[WARPS];
+  int digit, above, level_count, need;  // the last pick_digit
 };
 
 static_assert(sizeof(Shared) <= 113 * 1024, "two CTAs per SM need at most 113 KB of shared memory each");
 
-__device__ Digit pick_hist_digit(int bins, int need, Shared& s) {
-  return pick_digit(bins, need, s.scratch, [&](int b) { return s.select.hist[b]; });
+// fp32 -> uint32 whose unsigned order is the float order; -0.0 maps with +0.0 (a tie).
+__device__ __forceinline__ uint32_t order_key(float x) {
+  uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ bool is_finite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Exclusive prefix sums over the block of two packed counters, and their block totals.
+__device__ ulonglong2 block_exclusive_sum(ulonglong2 v, ulonglong2& total, Shared& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  ulonglong2 inc = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    unsigned long long x = __shfl_up_sync(0xffffffffu, inc.x, d);
+    unsigned long long y = __shfl_up_sync(0xffffffffu, inc.y, d);
+    if (lane >= d) { inc.x += x; inc.y += y; }
+  }
+  if (lane == 31) s.warp_sums[warp] = inc;
+  __syncthreads();
+  ulonglong2 before = make_ulonglong2(0, 0);
+  total = make_ulonglong2(0, 0);
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const ulonglong2 t = s.warp_sums[w];
+    if (w < warp) { before.x += t.x; before.y += t.y; }
+    total.x += t.x; total.y += t.y;
+  }
+  __syncthreads();  // warp_sums is reused by the next call
+  return make_ulonglong2(before.x + inc.x - v.x, before.y + inc.y - v.y);
+}
+
+// The bin of s.hist[0, bins) holding the need-th largest entry (need capped at the entries):
+// s.digit, s.above (entries in higher bins), s.level_count (entries in it), s.need (capped).
+__device__ void pick_digit(int bins, int need, Shared& s) {
+  constexpr int PER = BINS / THREADS;  // thread t owns bins BINS-1-PER*t-i, i < PER (descending)
+  uint32_t h[PER];
+  uint32_t local = 0;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int b = BINS - 1 - PER * threadIdx.x - i - (BINS - bins);
+    h[i] = b >= 0 ? s.select.hist[b] : 0;
+    local += h[i];
+  }
+  ulonglong2 total;
+  const unsigned long long before = block_exclusive_sum(make_ulonglong2(local, 0), total, s).x;
+  need = min(need, static_cast<int>(total.x));
+  if (threadIdx.x == 0) { s.need = need; s.digit = -1; }
+  __syncthreads();
+  unsigned long long at_or_above = before;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    at_or_above += h[i];
+    if (need > 0 && h[i] > 0 && at_or_above >= static_cast<unsigned>(need) &&
+        at_or_above - h[i] < static_cast<unsigned>(need)) {
+      s.digit = BINS - 1 - PER * threadIdx.x - i - (BINS - bins);
+      s.above = static_cast<int>(at_or_above - h[i]);
+      s.level_count = static_cast<int>(h[i]);
+    }
+  }
+  __syncthreads();
 }
 
 // One tile of a row's scores: element (j, i) of thread t sits at column
 // base + (j * THREADS + t) * VEC + i, so (j, t, i) is column order. A score outside [lo, hi) or not
-// finite gets key 0. Tiles start where the row's address is 16-byte aligned (first_aligned_column),
-// so inside the row every load is 128-bit.
+// finite gets key 0, which no finite score has (the lowest, -FLT_MAX's, is 0x00800000). Tiles start
+// where the row's address is 16-byte aligned (first_tile), so inside the row every load is 128-bit.
 struct Tile {
   static constexpr int SIZE = THREADS * VEC * LOADS;
   uint32_t key[LOADS][VEC];
@@ -62,7 +136,28 @@ struct Tile {
 
   __device__ __forceinline__ void load(const float* row, int base, int lo, int hi, int width) {
 #pragma unroll
-    for (int j = 0; j < LOADS; ++j) load_keys(row, pos(base, j, 0), lo, hi, width, key[j]);
+    for (int j = 0; j < LOADS; ++j) {
+      const int p = pos(base, j, 0);
+      float v[VEC];
+      if (p >= 0 && p + VEC <= width && p < hi) {
+        const float4 q = *reinterpret_cast<const float4*>(row + p);
+        v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] = (p + i < hi && p + i >= lo) ? row[p + i] : __int_as_float(0x7f800000);
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        key[j][i] = p + i >= lo && p + i < hi && is_finite(v[i]) ? order_key(v[i]) : 0u;
+      }
+    }
+  }
+
+  // The first tile's column: at or below lo, where the row's address is 16-byte aligned (fp32
+  // rows are 4-byte aligned, so some column among lo - 3 .. lo is).
+  __device__ __forceinline__ static int first_tile(const float* row, int lo) {
+    const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(row) / sizeof(float) % VEC);
+    return lo - (lo + misaligned) % VEC;
   }
 };
 
@@ -74,7 +169,7 @@ __device__ void histogram_row(const float* row, int lo, int hi, int width, int l
   const int above_shift = level == 0 ? 32 : shift_of(level - 1);
   Tile tile;
 #pragma unroll 2
-  for (int base = first_aligned_column(row, lo); base < hi; base += Tile::SIZE) {
+  for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
     tile.load(row, base, lo, hi, width);
 #pragma unroll
     for (int j = 0; j < LOADS; ++j)
@@ -95,7 +190,7 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
   num_sel = 0;
   num_cand = 0;
   Tile tile;
-  for (int base = first_aligned_column(row, lo); base < hi; base += Tile::SIZE) {
+  for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
     tile.load(row, base, lo, hi, width);
     unsigned long long packed_above = 0, packed_equal = 0;  // 16-bit count per load j
 #pragma unroll
@@ -108,7 +203,7 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
         packed_equal += static_cast<unsigned long long>(ok && high == prefix) << (16 * j);
       }
     ulonglong2 total;
-    const ulonglong2 before = block_exclusive_sum(make_ulonglong2(packed_above, packed_equal), total, s.scratch);
+    const ulonglong2 before = block_exclusive_sum(make_ulonglong2(packed_above, packed_equal), total, s);
     int sel_at = num_sel, cand_at = num_cand;
 #pragma unroll
     for (int j = 0; j < LOADS; ++j) {
@@ -153,9 +248,9 @@ __device__ int refine_candidates(int num_cand, int level, uint32_t prefix, int n
       if ((k >> above_shift) == prefix) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
     }
     __syncthreads();
-    const Digit d = pick_hist_digit(1 << bits_of(level), need, s);
-    prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(d.digit);
-    need -= d.above;
+    pick_digit(1 << bits_of(level), need, s);
+    prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(s.digit);
+    need -= s.above;
   }
   // prefix is the exact threshold key; thread t owns candidates [CAND_ITEMS * t, CAND_ITEMS * (t + 1))
   uint32_t key[CAND_ITEMS];
@@ -169,7 +264,7 @@ __device__ int refine_candidates(int num_cand, int level, uint32_t prefix, int n
     equal += c < num_cand && key[i] == prefix;
   }
   ulonglong2 total;
-  int equal_rank = static_cast<int>(block_exclusive_sum(make_ulonglong2(equal, 0), total, s.scratch).x);
+  int equal_rank = static_cast<int>(block_exclusive_sum(make_ulonglong2(equal, 0), total, s).x);
   bool keep[CAND_ITEMS];
   unsigned long long kept = 0;
 #pragma unroll
@@ -180,7 +275,7 @@ __device__ int refine_candidates(int num_cand, int level, uint32_t prefix, int n
     equal_rank += level_with;
     kept += keep[i];
   }
-  int at = static_cast<int>(block_exclusive_sum(make_ulonglong2(kept, 0), total, s.scratch).x);
+  int at = static_cast<int>(block_exclusive_sum(make_ulonglong2(kept, 0), total, s).x);
 #pragma unroll
   for (int i = 0; i < CAND_ITEMS; ++i)
     if (keep[i]) {
@@ -199,6 +294,24 @@ __device__ __forceinline__ int count_below(const int* list, int n, int value) {
     if (list[lo + half] < value) { lo += half + 1; n -= half + 1; } else { n = half; }
   }
   return lo;
+}
+
+__device__ void write_sorted(int num_sel, int num_cand, int topk, int* out, Shared& s) {
+  uint32_t key[SORT_ITEMS];
+  int pos[SORT_ITEMS];
+#pragma unroll
+  for (int i = 0; i < SORT_ITEMS; ++i) {
+    const int r = SORT_ITEMS * threadIdx.x + i;  // selected first, then kept candidates: equal keys stay in column order
+    key[i] = r < num_sel ? s.sel_key[r] : r < num_sel + num_cand ? s.select.cand_key[r - num_sel] : 0u;
+    pos[i] = r < num_sel ? s.sel_pos[r] : r < num_sel + num_cand ? s.select.cand_pos[r - num_sel] : -1;
+  }
+  __syncthreads();  // the sort's storage overlays the candidates
+  Sort(s.sort).SortDescending(key, pos);  // stable; key 0 is no finite score's key, so padding sorts last
+#pragma unroll
+  for (int i = 0; i < SORT_ITEMS; ++i) {
+    const int r = SORT_ITEMS * threadIdx.x + i;
+    if (r < topk) out[r] = r < num_sel + num_cand ? pos[i] : -1;
+  }
 }
 
 __device__ void write_by_position(int num_sel, int num_cand, int topk, int* out, Shared& s) {
@@ -220,32 +333,28 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   out += row * out_stride;
 
   histogram_row(row_ptr, lo, hi, width, 0, 0, s);
-  Digit d = pick_hist_digit(BINS, topk, s);
-  const int need = d.need;
+  pick_digit(BINS, topk, s);
+  const int need = s.need;
   if (need == 0) {
     for (int r = threadIdx.x; r < topk; r += THREADS) out[r] = -1;
     return;
   }
-  uint32_t prefix = static_cast<uint32_t>(d.digit);
-  int left = need - d.above, count = d.count, level = 0;
+  uint32_t prefix = static_cast<uint32_t>(s.digit);
+  int left = need - s.above, count = s.level_count, level = 0;
   while (count > CAND_CAP && level + 1 < LEVELS) {  // a crowded threshold bin: one more digit from the row
     ++level;
     histogram_row(row_ptr, lo, hi, width, level, prefix, s);
-    d = pick_hist_digit(1 << bits_of(level), left, s);
-    prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(d.digit);
-    left -= d.above;
-    count = d.count;
+    pick_digit(1 << bits_of(level), left, s);
+    prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(s.digit);
+    left -= s.above;
+    count = s.level_count;
   }
   const bool exact = level + 1 == LEVELS;
   int num_sel, num_cand;
   collect_row(row_ptr, lo, hi, width, shift_of(level), prefix, exact, left, num_sel, num_cand, s);
   if (!exact) num_cand = refine_candidates(num_cand, level + 1, prefix, left, s);
   if (sorted) {
-    write_sorted(num_sel + num_cand, topk, out, s.sort, [&](int r, uint32_t& key, int& pos) {
-      // selected first, then the kept candidates: both in column order, so equal keys stay in it
-      key = r < num_sel ? s.sel_key[r] : s.select.cand_key[r - num_sel];
-      pos = r < num_sel ? s.sel_pos[r] : s.select.cand_pos[r - num_sel];
-    });
+    write_sorted(num_sel, num_cand, topk, out, s);
   } else {
     write_by_position(num_sel, num_cand, topk, out, s);
   }
@@ -256,31 +365,22 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
 int indexer_topk_max_topk() { return MAX_TOPK; }
 
 // Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride) into
-// out [rows, topk] int32 (row stride out_stride) on `stream` of `device`: topk_cluster.cu's kernel
-// where a row fits in a cluster's shared memory, else (or with one_cta_per_row, for comparisons)
-// this file's. Returns nullptr or the CUDA error's text.
+// out [rows, topk] int32 (row stride out_stride) on `stream` of `device`. Returns nullptr or the
+// CUDA error's text.
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
-                                const int* ends, int64_t topk, bool sorted, bool one_cta_per_row, int* out,
-                                int64_t out_stride, int device, void* stream) {
+                                const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
+                                void* stream) {
   if (rows == 0) return nullptr;
-  int previous = 0, sms = 0;
+  int previous = 0;
   cudaError_t err = cudaGetDevice(&previous);
   if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int ranks = one_cta_per_row ? 0 : cluster_topk_ranks(rows, width, sms);
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
   const int bytes = sizeof(Shared);
-  if (err == cudaSuccess && ranks > 0) {
-    err = launch_cluster_topk(ranks, logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride,
-                              cuda_stream);
-  } else if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err == cudaSuccess) {
-      topk_kernel<<<static_cast<unsigned>(rows), THREADS, bytes, cuda_stream>>>(
-          logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
-      err = cudaGetLastError();
-    }
+  err = cudaFuncSetAttribute(topk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) {
+    topk_kernel<<<static_cast<unsigned>(rows), THREADS, bytes, static_cast<cudaStream_t>(stream)>>>(
+        logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
+    err = cudaGetLastError();
   }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

@@ -8,8 +8,8 @@ namespace flashdsa {
 
 int indexer_topk_max_topk();
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
-                                const int* ends, int64_t topk, bool sorted, bool one_cta_per_row, int* out,
-                                int64_t out_stride, int device, void* stream);
+                                const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
+                                void* stream);
 
 namespace {
 
@@ -21,9 +21,8 @@ void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype, int
 }
 
 // logits: [T, L] fp32 (unit column stride); starts, ends: [T] int32; out: [T, topk] int32.
-// one_cta_per_row forces the streaming kernel (long rows take it anyway), for comparisons.
 void indexer_topk(const at::Tensor& logits, const at::Tensor& starts, const at::Tensor& ends, int64_t topk,
-                  bool sorted, bool one_cta_per_row, at::Tensor& out, int64_t stream) {
+                  bool sorted, at::Tensor& out, int64_t stream) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "logits must be a CUDA fp32 [T, L] tensor with unit column stride, got ", logits.scalar_type(), " ",
               logits.sizes(), " strides ", logits.strides(), " on ", logits.device());
@@ -38,7 +37,7 @@ void indexer_topk(const at::Tensor& logits, const at::Tensor& starts, const at::
   TORCH_CHECK(out.dim() == 2 && out.size(1) == topk, "out must be [", rows, ", ", topk, "], got ", out.sizes());
   const char* error = launch_indexer_topk(logits.data_ptr<float>(), logits.stride(0), rows, width,
                                           starts.data_ptr<int>(), ends.data_ptr<int>(), topk, sorted,
-                                          one_cta_per_row, out.data_ptr<int>(), out.stride(0), logits.device().index(),
+                                          out.data_ptr<int>(), out.stride(0), logits.device().index(),
                                           reinterpret_cast<void*>(stream));
   TORCH_CHECK(error == nullptr, "indexer_topk_cuda launch failed: ", error);
 }
@@ -46,8 +45,8 @@ void indexer_topk(const at::Tensor& logits, const at::Tensor& starts, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashdsa, m) {
-  m.def("indexer_topk_cuda(Tensor logits, Tensor starts, Tensor ends, int topk, bool sorted, bool one_cta_per_row, "
-        "Tensor(a!) out, int stream) -> ()",
+  m.def("indexer_topk_cuda(Tensor logits, Tensor starts, Tensor ends, int topk, bool sorted, Tensor(a!) out, "
+        "int stream) -> ()",
         &indexer_topk);
 }
 
