@@ -5,9 +5,8 @@
   (keys per step, warps, stages) with each variant's registers, spills and shared memory.
 - indexer decode: b=64, context 128K, H=64: paged logits + top-2048, GB/s of indexer cache read
   (132 B/token) vs 50% of the copy bandwidth measured in the same run (bytes read + written).
-- indexer prefill: 4096 queries over 64K keys and a 16K prompt (16K queries over their own keys),
-  causal: logits (FP8 TFLOPS over the in-range pairs), the fused score + top-2048 as the model
-  calls it (row groups scored whole, one selection per row) and by the chunked merge (before).
+- indexer prefill: 4096 queries over 64K keys (causal ranges): logits (FP8 TFLOPS over the
+  in-range pairs) and the fused score + top-2048.
 - top-k 2048 of 128K per row, 128 rows, vs torch.topk (floor 3x).
 - cache writes: 16K tokens.
 
@@ -23,7 +22,7 @@ from tqdm import tqdm
 
 from benchmarks.common import Row, cache_keys, compiled_stats, kernel_split, median_ms, output_parser, report
 from flashdsa.runtime.cache.triton import writes
-from flashdsa.runtime.indexer.triton import fused_topk, logits, topk
+from flashdsa.runtime.indexer.triton import logits, topk
 from flashdsa.runtime.kernels.triton import sparse_decode
 
 log = logging.getLogger("bench_decode_indexer")
@@ -44,7 +43,7 @@ PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads o
     (64, 16, 4, 3, False), (64, 8, 4, 4, False), (128, 8, 4, 3, False), (64, 16, 4, 3, True), (128, 8, 4, 3, True),
     (128, 8, 8, 3, True), (256, 4, 8, 2, True),
 ]
-PREFILL_SHAPES = [(4096, 65536), (16384, 16384)]  # (queries, keys): the last queries of a prompt
+PREFILL_Q, PREFILL_KEYS = 4096, 65536
 TOPK_CONFIGS = [  # (columns per program of the histogram/collect passes, None: ~16 programs per SM; warps; block)
     (None, 8, 2048), (None, 4, 1024), (2048, 4, 1024), (4096, 8, 2048), (16384, 8, 2048),
 ]
@@ -139,28 +138,21 @@ def bench_indexer_decode(device, copy_gbs) -> list[Row]:
     return rows
 
 
-def bench_indexer_prefill(device, num_q: int, num_keys: int) -> list[Row]:
-    """The last ``num_q`` queries of a ``num_keys``-token prompt (causal): the logits alone, the
-    fused score + top-k as the model calls it (host end bounds, any order), and the chunked
-    merge every row took before (4096 keys a step, a select and sort each): FP8 TFLOPS over the
-    in-range pairs."""
-    q = fp8_bytes((num_q, INDEXER_H, 128), device).view(torch.float8_e4m3fn)
-    w = torch.randn(num_q, INDEXER_H, device=device)
-    k = fp8_bytes((num_keys, 128), device).view(torch.float8_e4m3fn)
-    k_scale = torch.rand(num_keys, device=device)
-    bounds = torch.arange(num_keys - num_q + 1, num_keys + 1)
-    ends = bounds.to(device=device, dtype=torch.int32)
-    starts = torch.zeros_like(ends)
-    flops = 2 * INDEXER_H * 128 * bounds.double().sum().item()
-    shape = f"s_q={num_q} keys={num_keys // 1024}K H={INDEXER_H} causal"
+def bench_indexer_prefill(device) -> list[Row]:
+    q = fp8_bytes((PREFILL_Q, INDEXER_H, 128), device).view(torch.float8_e4m3fn)
+    w = torch.randn(PREFILL_Q, INDEXER_H, device=device)
+    k = fp8_bytes((PREFILL_KEYS, 128), device).view(torch.float8_e4m3fn)
+    k_scale = torch.rand(PREFILL_KEYS, device=device)
+    starts = torch.zeros(PREFILL_Q, dtype=torch.int32, device=device)
+    ends = torch.arange(PREFILL_KEYS - PREFILL_Q + 1, PREFILL_KEYS + 1, dtype=torch.int32, device=device)
+    pairs = ends.double().sum().item()
+    flops = 2 * INDEXER_H * 128 * pairs
+    shape = f"s_q={PREFILL_Q} keys={PREFILL_KEYS // 1024}K H={INDEXER_H} causal"
     ms = median_ms([lambda: logits.indexer_logits(q, w, k, k_scale, starts, ends)], iters=10)
     rows = [Row("indexer logits prefill", shape, ms, flops / ms / 1e9, "TFLOPS", 1.0, "report only (fp8 dots)")]
-    for name, knobs in (("whole rows", dict(sorted=False, max_ends=bounds)),
-                        ("chunked merge", dict(whole_keys=0))):
-        ms = median_ms([lambda: fused_topk.indexer_fused_topk(q, w, k, k_scale, starts, ends, TOPK, 4096, **knobs)],
-                       warmup=1, iters=5)
-        rows.append(Row(f"indexer fused score+top-k prefill, {name}", shape + f" topk={TOPK}", ms,
-                        flops / ms / 1e9, "TFLOPS", 1.0, f"report only; logits alone {100 * rows[0].ms / ms:.0f}%"))
+    ms = median_ms([lambda: topk.indexer_fused_topk(q, w, k, k_scale, starts, ends, TOPK, 4096)], warmup=1, iters=5)
+    rows.append(Row("indexer fused score+top-k prefill", shape + f" topk={TOPK}", ms, flops / ms / 1e9, "TFLOPS",
+                    1.0, "report only; chunk 4096"))
     for r in rows:
         print(r)
     return rows
@@ -217,8 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = [lambda: bench_decode(device, **DECODE),
              lambda: bench_decode(device, 4, 1, 128, 2048, 32768, SMALL_BATCH_CONFIGS),
              lambda: bench_indexer_decode(device, copy_gbs), lambda: bench_topk(device),
-             *(lambda shape=shape: bench_indexer_prefill(device, *shape) for shape in PREFILL_SHAPES),
-             lambda: bench_writes(device)]
+             lambda: bench_indexer_prefill(device), lambda: bench_writes(device)]
     for step in tqdm(steps, desc="benchmarks"):
         try:
             rows += step()

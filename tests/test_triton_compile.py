@@ -146,7 +146,7 @@ def test_v4_attention_and_cache_kernels_compile_for_hopper_and_blackwell(launche
 
 def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     from flashdsa.runtime.cache.triton import writes
-    from flashdsa.runtime.indexer.triton import fused_topk, hadamard, logits, topk
+    from flashdsa.runtime.indexer.triton import hadamard, logits, topk
 
     num_q, num_keys, heads = 3, 500, 64
     q = torch.randn(num_q, heads, 128).to(torch.float8_e4m3fn)
@@ -157,9 +157,7 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     hadamard.hadamard_transform(torch.randn(5, 128).bfloat16())
     scores = logits.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
     topk.indexer_topk(scores, 2048, starts, ends)
-    for sort in (True, False):  # scored whole, selected once (sorted or by position)
-        fused_topk.indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, 2048, 4096, sort)
-    fused_topk.indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, 2048, 4096, whole_keys=0)  # chunked
+    topk.indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, 2048, 4096)
     pool = torch.zeros(8, 64, 1, 132, dtype=torch.uint8)
     lens = torch.tensor([70, 200], dtype=torch.int32)
     table = torch.arange(8, dtype=torch.int32).view(2, 4)

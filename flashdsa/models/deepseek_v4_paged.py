@@ -199,8 +199,7 @@ def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, 
     if pool.dtype == torch.uint8:
         lengths = [n // ratio for n in meta.context_lens_host]
         keys = KeyRanges((meta.context_lens // ratio).int(), tuple(lengths), visible.int(),
-                         meta.max_context_len // ratio, meta.query_lens, meta.block_tables, paged_queries=1,
-                         tokens_per_key=ratio)
+                         meta.max_context_len // ratio, meta.query_lens, meta.block_tables, paged_queries=1)
         return indexer.choice(fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long())
     out = torch.full((x.shape[0], k), -1, dtype=torch.int64, device=x.device)
     for b, (first, end, length) in enumerate(meta.sequence_ranges()):

@@ -114,10 +114,7 @@ class KeyRanges:
     (``lengths: [B]`` int32 on the device) in the pages of ``block_tables[b]``; query t scores keys
     ``[0, ends[t])`` (``ends: [T]`` int32); ``max_length`` >= every length (host int). ``paged_queries``:
     queries per sequence up to which a step of equal counts may score the pages in one call (that
-    kernel's causal rule, query j of n at key ``length - n + j``, must agree with ``ends``).
-    ``tokens_per_key``: a sequence's queries are its last tokens and each key covers that many
-    of them (V4's CSA: 4), so query j of n scores at most ``length - (n - 1 - j) // tokens_per_key``
-    keys: the host bound that sizes the prefill's score groups (:meth:`end_bounds`)."""
+    kernel's causal rule, query j of n at key ``length - n + j``, must agree with ``ends``)."""
 
     lengths: torch.Tensor
     lengths_host: tuple[int, ...]
@@ -126,7 +123,6 @@ class KeyRanges:
     query_lens: tuple[int, ...]
     block_tables: torch.Tensor
     paged_queries: int = PAGED_MAX_QUERIES
-    tokens_per_key: int = 1
 
     @classmethod
     def of_tokens(cls, meta: BatchMetadata) -> "KeyRanges":
@@ -134,21 +130,14 @@ class KeyRanges:
         return cls(meta.context_lens, meta.context_lens_host, (meta.positions + 1).to(torch.int32),
                    meta.max_context_len, meta.query_lens, meta.block_tables)
 
-    def end_bounds(self, b: int) -> torch.Tensor:
-        """Host int64 ``[n]``: bounds of the key ends of sequence b's n queries (exact for V3.2)."""
-        n, length = self.query_lens[b], self.lengths_host[b]
-        return (length - torch.arange(n - 1, -1, -1) // self.tokens_per_key).clamp_min(0)
-
 
 def fp8_select(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, keys: KeyRanges, topk: TopK) -> torch.Tensor:
     """Top-k of the Hadamard + FP8 scores of ``q: [T, H, D]`` (head weights ``w: [T, H]`` fp32, every
     constant folded in) over an FP8 indexer pool: ``[T, topk.k]`` int32 key positions, -1 padded.
 
     Decode-sized steps (every sequence with the same few queries) score the pages in one call;
-    otherwise each sequence's keys are gathered, and its queries scored and selected in groups
-    sized from host bounds of their ends, so no whole ``[T, context]`` logits is ever
-    materialised (a 128K prefill's would be 64 GB). Positions come in any order (the attention
-    only gathers them)."""
+    otherwise each sequence's keys are gathered and scored and selected chunk by chunk, so no
+    whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
     heads, dim = q.shape[1:]
     q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H, D] e4m3, [T, H]
     w = w * q_scale
@@ -164,7 +153,6 @@ def fp8_select(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, keys: KeyRa
         k_fp8, k_scale = gather_fp8_keys(pool, keys.block_tables[b], length)  # [L, D], [L]
         ends = keys.ends[first:first + n]
         out[first:first + n] = indexer_fused_topk(q_fp8[first:first + n], w[first:first + n], k_fp8, k_scale,
-                                                  torch.zeros_like(ends), ends, topk.k, sorted=False,
-                                                  max_ends=keys.end_bounds(b))
+                                                  torch.zeros_like(ends), ends, topk.k)
         first += n
     return out

@@ -14,7 +14,7 @@ function's arguments positionally, already validated, with ``starts``/``ends`` a
   indexer_topk           reference  flashdsa.runtime.indexer.reference:indexer_topk
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_topk
   indexer_fused_topk     reference  flashdsa.runtime.indexer.reference:indexer_fused_topk
-                         triton     flashdsa.runtime.indexer.triton.fused_topk:indexer_fused_topk
+                         triton     flashdsa.runtime.indexer.triton.topk:indexer_fused_topk
   indexer_topk           cuda       flashdsa.runtime.indexer.cuda.topk:indexer_topk (SM90)
 Triton support check (facts ``head_dim``, ``dtype``, ``topk``, ``block_size``): head_dim 128, no
 float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size. CUDA support check: topk <=
@@ -23,7 +23,7 @@ CUDA_MAX_TOPK and a CUDA toolchain to build the kernel with (``flashdsa.runtime.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
@@ -37,7 +37,7 @@ _TRITON_MODULE = {
     "indexer_logits": "logits",
     "indexer_logits_paged": "logits",
     "indexer_topk": "topk",
-    "indexer_fused_topk": "fused_topk",
+    "indexer_fused_topk": "topk",
 }
 
 
@@ -234,23 +234,6 @@ def indexer_topk(
     return dispatch.select("indexer_topk", logits.device, backend, topk=topk)(logits, topk, starts, ends, sorted)
 
 
-def _check_max_ends(max_ends: object, ends: torch.Tensor) -> None:
-    """max_ends: None, or host ints [T] (a sequence or a CPU integer tensor) with ends <= max_ends."""
-    if max_ends is None:
-        return
-    num_q = ends.shape[0]
-    try:
-        bounds = torch.as_tensor(max_ends)
-    except (TypeError, ValueError, RuntimeError):
-        bounds = None
-    ok = bounds is not None and bounds.device.type == "cpu" and not bounds.dtype.is_floating_point
-    ok = ok and bounds.dtype != torch.bool and list(bounds.shape) == [num_q]
-    check(ok, f"max_ends must be host ints [T={num_q}] (a sequence or a CPU integer tensor), got "
-              f"{describe(max_ends) if isinstance(max_ends, torch.Tensor) else type(max_ends).__name__}")
-    if num_q and can_check_values(ends.device):
-        check(bool((ends.cpu() <= bounds).all()), "ends must be <= max_ends in every row")
-
-
 def indexer_fused_topk(
     q_fp8: torch.Tensor,
     weights: torch.Tensor,
@@ -261,25 +244,15 @@ def indexer_fused_topk(
     topk: int,
     *,
     chunk: int = 4096,
-    sorted: bool = True,
-    max_ends: Union[Sequence[int], torch.Tensor, None] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
-    """``indexer_topk(indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends), topk, starts, ends, sorted=sorted)``
-    without materialising the ``[T, S]`` logits: rows are scored and selected in groups whose
-    scores fit a fixed scratch budget, rows too wide for that ``chunk`` keys at a time, merged into
-    a running top-k; memory is O(budget). Arguments as in :func:`indexer_logits`; topk: int >= 1;
-    chunk: int >= 1, keys per step of that merge. ``sorted=False``: the same set in any order (valid
-    positions first), for callers that only gather them (sparse attention): no sort by score.
-    max_ends: optional host ints [T] (a sequence or CPU integer tensor), ``ends[t] <= max_ends[t]``:
-    lets the Triton backend size each group to its widest row without reading ``ends`` back (a
-    causal prompt then scores about half the [T, S] square); without it every row may reach S.
-    Returns [T, topk] int32.
+    """``indexer_topk(indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends), topk, starts, ends)``
+    without materialising whole logits rows: keys are scored ``chunk`` at a time and merged into a
+    running top-k, so memory is O(T * (topk + chunk)). Arguments as in :func:`indexer_logits`;
+    chunk: int >= 1, keys per step. Returns [T, topk] int32.
     """
     _check_int("topk", topk, 1)
     _check_int("chunk", chunk, 1)
-    check(isinstance(sorted, bool), f"sorted must be a bool, got {sorted!r}")
     _check_ragged(q_fp8, weights, k_fp8, k_scale, starts, ends)
-    _check_max_ends(max_ends, ends)
     impl = dispatch.select("indexer_fused_topk", q_fp8.device, backend, head_dim=q_fp8.shape[-1], topk=topk)
-    return impl(q_fp8, weights, k_fp8, k_scale, starts, ends, topk, chunk, sorted, max_ends)
+    return impl(q_fp8, weights, k_fp8, k_scale, starts, ends, topk, chunk)

@@ -148,12 +148,9 @@ def indexer_fused_topk(
     ends: torch.Tensor,
     topk: int,
     chunk: int,
-    sorted: bool = True,
-    max_ends: object = None,
 ) -> torch.Tensor:
     """``indexer_topk(indexer_logits(...), topk, starts, ends)`` without a whole logits row:
-    walks the keys ``chunk`` at a time and merges each chunk into a running top-k list (always
-    sorted: any order is allowed with ``sorted=False``; ``max_ends``, a sizing hint, is unused)."""
+    walks the keys ``chunk`` at a time and merges each chunk into a running top-k list."""
     num_q, device = q_fp8.shape[0], q_fp8.device
     best = torch.full((num_q, 0), -math.inf, dtype=torch.float32, device=device)
     best_pos = torch.empty(num_q, 0, dtype=torch.int64, device=device)

@@ -17,7 +17,10 @@ program each (so 128 rows of 128K keep the whole GPU busy):
 The row is read three times; only the selection is sorted. On an H200, 128 rows of 128K take
 0.12 ms in passes 1-2, 0.07 ms in pass 3 and 0.07 ms in pass 4 (0.04 of it the sort).
 
-The fused score + top-k of the prefill (``fused_topk``) runs the same passes on its scores.
+The fused score + top-k walks the keys ``chunk`` at a time: the ragged logits kernel writes a
+chunk's scores next to the running top-k (values and positions), and the same passes select from
+both, so no whole logits row is ever held. Its memory is ``O(rows * (topk + chunk))`` with rows
+processed in groups that bound it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from flashdsa.runtime.indexer.triton.logits import ragged_logits_into
 
 BLOCK = 2048  # scores per step of a pass
 MAX_TOPK = 8192  # the selected pairs are sorted in registers
@@ -99,9 +104,9 @@ def _threshold_top(scratch_ptr, topk, BOTH_BYTES: tl.constexpr):
 @triton.jit
 def _split_span(starts_ptr, ends_ptr, col_lo, col_hi, row, split, RANGES: tl.constexpr, SPLIT: tl.constexpr):
     """Columns [lo, hi) of this program: the row's range cut to split ``split``."""
-    if RANGES:  # cut to the scored columns too: a range may reach past them (a caller's width hint)
+    if RANGES:
         lo = tl.load(starts_ptr + row)
-        hi = tl.minimum(tl.load(ends_ptr + row), col_hi)
+        hi = tl.load(ends_ptr + row)
     else:
         lo = col_lo
         hi = col_hi
@@ -259,16 +264,15 @@ def _split_columns(rows: int, width: int, device: torch.device, block: int) -> i
 
 
 class _Selection:
-    """Scratch of the launches that select from up to ``rows`` rows of up to ``cells`` scores in
-    all: per-row histograms and counts, selected lists, and candidate lists (one per row, as long
-    as the row: every column may tie at the threshold)."""
+    """Scratch of one launch group: per-row histograms and counts, selected and candidate lists."""
 
-    def __init__(self, rows: int, cells: int, k_pad: int, device: torch.device, split: Optional[int], block: int,
+    def __init__(self, rows: int, width: int, k_pad: int, device: torch.device, split: Optional[int], block: int,
                  num_warps: int):
         self.scratch = torch.empty(rows, SCRATCH_COLS.value, dtype=torch.int32, device=device)
         self.selected = torch.empty(rows, k_pad, dtype=torch.int32, device=device)
-        self.candidates = torch.empty(cells, dtype=torch.int32, device=device)
-        self.split, self.k_pad, self.block, self.num_warps = split, k_pad, block, num_warps
+        self.candidates = torch.empty(rows, width, dtype=torch.int32, device=device)
+        self.split = split or _split_columns(rows, width, device, block)
+        self.k_pad, self.block, self.num_warps = k_pad, block, num_warps
 
     def run(self, vals: torch.Tensor, topk: int, width: int, out: torch.Tensor, *, ranges=None, prefix=None,
             pos_base: int = 0, out_vals: Optional[torch.Tensor] = None, sort: bool = True) -> None:
@@ -276,19 +280,18 @@ class _Selection:
         ``prefix`` = (positions, length) maps the first ``length`` columns to positions (fused top-k)."""
         rows = vals.shape[0]
         self.scratch[:rows].zero_()
-        candidates = self.candidates[:rows * width].view(rows, width)
         starts, ends = ranges if ranges is not None else (self.scratch, self.scratch)
         common = (vals, vals.stride(0), starts, ends, 0, width, self.scratch, topk)
-        split = self.split or _split_columns(rows, width, vals.device, self.block)
-        grid = (rows, triton.cdiv(width, split))
-        knobs = dict(RANGES=ranges is not None, SPLIT=split, BLOCK=self.block, num_warps=self.num_warps)
+        grid = (rows, triton.cdiv(width, self.split))
+        knobs = dict(RANGES=ranges is not None, SPLIT=self.split, BLOCK=self.block, num_warps=self.num_warps)
         for second in (False, True):
             _histogram_kernel[grid](*common, SECOND=second, **knobs)
-        _collect_kernel[grid](*common, self.selected, candidates, candidates.stride(0), K_PAD=self.k_pad, **knobs)
+        _collect_kernel[grid](*common, self.selected, self.candidates, self.candidates.stride(0), K_PAD=self.k_pad,
+                              **knobs)
         prefix_pos, prefix_len = prefix if prefix is not None else (out, 0)
         out_vals_or_any = vals if out_vals is None else out_vals
         _finish_kernel[(rows,)](
-            vals, vals.stride(0), self.scratch, topk, self.selected, candidates, candidates.stride(0),
+            vals, vals.stride(0), self.scratch, topk, self.selected, self.candidates, self.candidates.stride(0),
             prefix_pos, prefix_pos.stride(0), prefix_len, pos_base, out, out.stride(0),
             out_vals_or_any, out_vals_or_any.stride(0),
             PREFIX=prefix is not None, VALUES=out_vals is not None, SORT=sort or prefix is not None or out_vals is not None,
@@ -308,8 +311,35 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: to
         return out
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     group = max(1, min(num_rows, SCRATCH_BYTES // (4 * max(1, width))))  # rows per launch
-    selection = _Selection(group, group * width, k_pad, logits.device, split, block, num_warps)
+    selection = _Selection(group, width, k_pad, logits.device, split, block, num_warps)
     for r0 in range(0, num_rows, group):
         rows = slice(r0, min(r0 + group, num_rows))
         selection.run(logits[rows], topk, width, out[rows], ranges=(starts[rows], ends[rows]), sort=sorted)
+    return out
+
+
+def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, chunk: int) -> torch.Tensor:
+    """Top-k of the indexer logits (arguments of ``indexer_logits``) without a whole logits row:
+    per group of rows, a buffer [rows, topk + chunk] holds the running top-k scores followed by
+    one chunk of scores; after each chunk the selection rewrites the running part in place."""
+    k_pad = _check_topk(topk)
+    num_q, device = q_fp8.shape[0], q_fp8.device
+    out = torch.empty(num_q, topk, dtype=torch.int32, device=device)
+    q_fp8, weights, k_fp8, k_scale = (t.contiguous() for t in (q_fp8, weights, k_fp8, k_scale))
+    width = topk + chunk
+    group = max(1, min(num_q, SCRATCH_BYTES // (4 * width)))
+    scores = torch.empty(group, width, dtype=torch.float32, device=device)
+    selection = _Selection(group, width, k_pad, device, None, BLOCK, 8)
+    for r0 in range(0, num_q, group):
+        rows = slice(r0, min(r0 + group, num_q))
+        n = rows.stop - r0
+        best_pos = out[rows]
+        best_pos.fill_(-1)
+        scores[:n, :topk] = float("-inf")
+        for s0 in range(0, k_fp8.shape[0], chunk):
+            c = min(chunk, k_fp8.shape[0] - s0)
+            ragged_logits_into(scores[:n, topk:topk + c], q_fp8[rows], weights[rows], k_fp8, k_scale,
+                               starts[rows], ends[rows], col0=s0)
+            selection.run(scores[:n], topk, topk + c, best_pos, prefix=(best_pos, topk), pos_base=s0,
+                          out_vals=scores[:n])
     return out
