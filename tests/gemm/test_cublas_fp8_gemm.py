@@ -33,9 +33,15 @@ def test_prefill_sizes_go_to_cublas_and_decode_sizes_to_triton_silently(hopper, 
     with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
         for m in (1, 8, 64, cublas.CUBLAS_MIN_M - 1):
             assert fp8_gemm_backend(m, n, k, FAKE_GPU) == "triton", m
-        for m in (cublas.CUBLAS_MIN_M, 300, 4097, 16384):
+        for m in (cublas.CUBLAS_MIN_M, 300, 4096, 16384):
             assert fp8_gemm_backend(m, n, k, FAKE_GPU) == "cublas", m
     assert not caplog.records  # declining decode sizes is a choice, not a fallback
+
+
+def test_an_m_off_the_scale_alignment_runs_on_triton_with_the_reason(hopper, caplog):
+    with caplog.at_level(logging.WARNING, logger=dispatch.__name__):
+        assert fp8_gemm_backend(4097, *FUSED, FAKE_GPU) == "triton"
+    assert "M % 4 == 0" in caplog.text
 
 
 @pytest.mark.parametrize("n, k, out_dtype, why", [
@@ -123,10 +129,11 @@ def test_the_probe_passes_on_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", GPU_CASES)
 def test_cublas_matches_reference(m, n, k):
+    """Shapes cuBLAS takes run on it and match; an M off its alignment runs (and matches) on Triton."""
     _need_hopper()
     flood_cuda_allocator_with_nan(cuda)
     inputs = gemm_inputs(m, n, k, cuda)
-    assert fp8_gemm_backend(m, n, k, cuda) == "cublas"
+    assert fp8_gemm_backend(m, n, k, cuda) == ("cublas" if m % cublas.M_MULTIPLE == 0 else "triton")
     assert_gemm_close(fp8_gemm(*inputs), *inputs, what=f"cublas M={m} N={n} K={k}")
     assert not cublas._refused
 

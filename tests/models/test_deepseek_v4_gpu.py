@@ -72,9 +72,11 @@ def _torch_path(monkeypatch) -> None:
                         functools.partial(deepseek_v4_paged.compress_decode_step, backend="reference"))
 
 
-def _greedy_decode(model, steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy_decode(model, steps: int, forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
     """A 126-token prompt, then ``steps`` greedy decode steps of it with a 1-token prompt joining at
-    the first (a fresh state in a decode step); windows close on the way (CSA every 4, HCA at 127)."""
+    the first (a fresh state in a decode step); windows close on the way (CSA every 4, HCA at 127).
+    ``forced``: feed these tokens instead of the argmaxes (teacher forcing, so two paths whose bf16
+    roundings differ see the same inputs even where a near-tie flips an argmax)."""
     caches = model.allocate_caches(24, 3)
     prompt = torch.randint(2, 500, (126,), generator=torch.Generator().manual_seed(3)).cuda()
     tokens, logits = [[], []], []
@@ -84,18 +86,20 @@ def _greedy_decode(model, steps: int) -> tuple[list[list[int]], list[torch.Tenso
         for step in range(steps):
             out = model(ids, _step([126 + step, step], [1, 1], [2, 0]), caches)
             logits.append(out)
-            ids = out.argmax(-1)
+            ids = out.argmax(-1) if forced is None else torch.tensor([f[step] for f in forced], device=out.device)
             for b in (0, 1):
                 tokens[b].append(int(ids[b]))
     return tokens, logits
 
 
-def test_fused_mhc_and_compressor_decode_give_the_torch_path_tokens(checkpoint, monkeypatch):
-    """The Triton mHC and compressor decode step (the default on a GPU) against the torch path."""
+def test_fused_mhc_and_compressor_decode_match_the_torch_path_step_by_step(checkpoint, monkeypatch):
+    """The Triton mHC and compressor decode step (the default on a GPU) against the torch path, step
+    by step on the same tokens (on an H100 the greedy tokens of the two paths parted after 1-4 steps
+    on the random tiny models: their bf16 sums round in a different order)."""
     model = load_v4_model(checkpoint, "cuda", mode="production")
-    fused_tokens, fused_logits = _greedy_decode(model, 10)
-    _torch_path(monkeypatch)
-    torch_tokens, torch_logits = _greedy_decode(model, 10)
-    assert fused_tokens == torch_tokens
+    with monkeypatch.context() as patch:
+        _torch_path(patch)
+        torch_tokens, torch_logits = _greedy_decode(model, 10)
+    _, fused_logits = _greedy_decode(model, 10, forced=torch_tokens)
     for ours, theirs in zip(fused_logits, torch_logits):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 CUBLAS_MIN_M = 256  # below, the Triton GEMM is as fast or faster (H100: M <= 64 slower, M = 1 refused)
 K_MULTIPLE = 4 * GROUP  # the weight scales' K/128 a multiple of 4: cuBLAS's padding is empty
 N_MULTIPLE = 16  # cuBLASLt FP8 operands and output: 16-byte aligned rows
+# The activation scales go over outer-dim-major, leading dimension M: on an H100 cuBLASLt refused
+# M = 513, 777, 2049 and 4097 and took M = 256, 300, 1000 and 16384 (16-byte aligned columns).
+M_MULTIPLE = 4
 MIN_CAPABILITY = (9, 0)  # blockwise scaling in cuBLASLt: Hopper onwards
 PROBE_SHAPE = (CUBLAS_MIN_M + 8, 2 * GROUP + 16, K_MULTIPLE)  # (M, N, K): partial tiles on both sides
 PROBE_TOL = 2**-8  # relative Frobenius error of the probe against the fp32 reference
@@ -55,6 +58,8 @@ def shape_refusal(m: int, n: int, k: int, out_dtype: torch.dtype) -> Optional[st
         return f"cuBLAS refused N={n} K={k} before"
     if m < CUBLAS_MIN_M:
         return Declined(f"M={m} < CUBLAS_MIN_M={CUBLAS_MIN_M}: the Triton GEMM is faster there")
+    if m % M_MULTIPLE:
+        return f"cublas fp8_gemm needs M % {M_MULTIPLE} == 0 (its activation scales' leading dimension), got M={m}"
     return None
 
 
