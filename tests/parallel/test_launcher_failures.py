@@ -16,7 +16,8 @@ from flashdsa.runtime.parallel.launcher import WORKER_DIED_EXIT
 
 # Rank 0 starts a TP 2 model, prints the worker's pid, then waits (as a server would between requests).
 RANK0 = """
-import multiprocessing, sys, time
+import multiprocessing, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a runner started with bash's `&` ignores SIGINT, and so would we
 from flashdsa.runtime.llm import LLM
 llm = LLM(sys.argv[1], mode="reference", max_num_seqs=2, tensor_parallel_size=2)
 print(*[p.pid for p in multiprocessing.active_children()], flush=True)
