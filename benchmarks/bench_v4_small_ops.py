@@ -19,7 +19,8 @@ import functools
 
 import torch
 
-from benchmarks.common import Row, graph_ms, input_sets_for, median_ms, output_parser, report
+from benchmarks.bench_decode_indexer import copy_bandwidth
+from benchmarks.common import Row, graph_ms, input_sets_for, output_parser, report
 from flashdsa.runtime.compressor import compress_decode_step, new_state
 from flashdsa.runtime.hyper import hc_post, hc_pre
 
@@ -28,13 +29,6 @@ TOKENS = (1, 32, 128)
 COMPRESSORS = (("CSA", True, 4, 1024), ("HCA", False, 128, 512))  # name, overlap, ratio, channels
 BATCHES = (1, 32)
 SLOTS = 64  # the pool's state slots (the batch takes every other)
-
-
-def copy_gbps(device) -> float:
-    """Device copy bandwidth (read + write bytes per second) of a 1 GiB tensor, in GB/s."""
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / median_ms([lambda: dst.copy_(src)]) / 1e6
 
 
 def mhc_site(tokens: int, backend: str, device) -> tuple[list, int]:
@@ -79,7 +73,7 @@ def compressor_step(overlap: bool, ratio: int, channels: int, batch: int, backen
 def main() -> None:
     args = output_parser(__doc__).parse_args()
     device = torch.device("cuda")
-    copy = copy_gbps(device)
+    copy = copy_bandwidth(device)
     rows = []
     cases = [(f"mHC site T={t}", functools.partial(mhc_site, t)) for t in TOKENS]
     cases += [(f"{name} compressor step B={b}", functools.partial(compressor_step, overlap, ratio, channels, b))

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
-from flashdsa.models.deepseek_v4_quant import keep_quantized, read_quantized, scale_name
+from flashdsa.models.deepseek_v4_quant import FP4, FP8, keep_quantized, read_quantized, scale_name
 from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.models.loader import checkpoint_files, dequantize_blocks
 from flashdsa.runtime.fp4 import dequantize_fp4
@@ -126,9 +126,9 @@ def official_tensors(config: DeepseekV4Config, tensors: dict[str, torch.Tensor])
 def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
     """Tensor ``name`` of the open file ``f`` as float: e4m3 weights dequantized with their block scales."""
     kind = f.get_slice(name).get_dtype()
-    fp4 = kind in ("I8", "U8", "F4") and ".experts." in name
+    fp4 = kind in FP4 and ".experts." in name
     t = f.get_tensor(name)
-    if kind != "F8_E4M3" and not fp4:
+    if kind != FP8 and not fp4:
         return t
     scale = scale_name(name, where)
     if scale is None:
@@ -140,15 +140,22 @@ def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
         return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
 
 
+def _index(files: list[Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """Checkpoint name -> the file holding it, and -> its safetensors dtype ("F8_E4M3", "BF16", ...)."""
+    where, kinds = {}, {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                where[name], kinds[name] = file, f.get_slice(name).get_dtype()
+    return where, kinds
+
+
 def read_dequantized(path: str | Path):
     """Yield ``(name, tensor)`` for every tensor of the checkpoint directory ``path`` as stored (its
     own names), FP8 and FP4 weights dequantized to fp32 and their scale tensors left out: a
     checkpoint any reader of bf16/fp32 weights takes (the layerwise check's transformers model)."""
     files = checkpoint_files(Path(path))
-    where = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update((name, file) for name in f.keys())
+    where, _ = _index(files)
     scales = {s for n in where if (s := scale_name(n, where))}
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -180,11 +187,7 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
         dtype = dtype or (torch.bfloat16 if mode == "production" else torch.float32)
         model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0, mode)
     files = checkpoint_files(path)
-    where, kinds = {}, {}  # checkpoint name -> its file, its safetensors dtype
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                where[name], kinds[name] = file, f.get_slice(name).get_dtype()
+    where, kinds = _index(files)
     if mode == "production" and keep_fp8:
         names = set(model.state_dict())
 

@@ -33,6 +33,7 @@ from flashdsa.models.deepseek_v4_attention import GroupedLinear
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.models.deepseek_v4_moe import Experts
 from flashdsa.models.linear import FP8GroupedLinear, FP8Linear
+from flashdsa.runtime.fp4 import scale_values
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 
@@ -124,6 +125,6 @@ def read_quantized(f, name: str, where: dict[str, Path], dest: torch.Tensor,
         s = g.get_tensor(scale)
     if s.dtype == torch.float8_e8m0fnu and dest_scale.dtype == torch.uint8:
         s = s.view(torch.uint8)
-    elif s.dtype == torch.uint8 and dest_scale.dtype != torch.uint8:
-        s = torch.exp2(s.float() - 127)
+    elif dest_scale.dtype != torch.uint8:
+        s = scale_values(s)
     return f.get_tensor(name).view(torch.uint8 if not fp8 else E4M3), s.to(dest_scale.dtype)

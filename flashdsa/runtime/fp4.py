@@ -17,7 +17,7 @@ E2M1_MAX = 6.0
 UE8M0_BIAS = 127
 
 
-def _scale_values(scale: torch.Tensor) -> torch.Tensor:
+def scale_values(scale: torch.Tensor) -> torch.Tensor:
     """fp32 scales from UE8M0 (float8_e8m0fnu or exponent bytes) or float scales."""
     if scale.dtype == torch.uint8:
         return torch.exp2(scale.float() - UE8M0_BIAS)
@@ -36,7 +36,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     table = torch.cat([magnitude, -magnitude])  # nibble -> value (bit 3 is the sign)
     byte = packed.view(torch.uint8).long()
     values = torch.stack([table[byte & 0xF], table[byte >> 4]], dim=-1).view(rows, cols)
-    return (values.view(rows, -1, FP4_GROUP) * _scale_values(scale).unsqueeze(-1)).view(rows, cols)
+    return (values.view(rows, -1, FP4_GROUP) * scale_values(scale).unsqueeze(-1)).view(rows, cols)
 
 
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
