@@ -64,7 +64,8 @@ INPUT_SETS = 4
 SWEEP_BLOCK_M = {1: (16,), 32: (16, 32), 128: (16, 32, 64), 4096: (32, 64, 128)}
 # Candidate tiles (block_n, block_k, warps, stages) for block_m <= 32 (decode) and above.
 SMALL_TILES = [Tile(32, 128, 4, 4), Tile(64, 128, 4, 4), Tile(64, 64, 4, 4), Tile(128, 64, 4, 4), Tile(64, 128, 4, 5),
-               Tile(64, 128, 4, 3), Tile(128, 128, 4, 3), Tile(64, 128, 8, 4), Tile(32, 256, 4, 3), Tile(16, 256, 4, 4)]
+               Tile(64, 128, 4, 3), Tile(128, 128, 4, 3), Tile(64, 128, 8, 4), Tile(32, 256, 4, 3), Tile(16, 256, 4, 4),
+               Tile(64, 32, 4, 4), Tile(128, 32, 4, 4), Tile(256, 64, 8, 3), Tile(128, 64, 8, 3)]
 LARGE_TILES = [Tile(128, 64, 8, 3), Tile(128, 64, 4, 4), Tile(128, 128, 8, 3), Tile(64, 128, 4, 4),
                Tile(256, 64, 8, 3), Tile(128, 64, 8, 4), Tile(128, 128, 4, 3), Tile(128, 32, 4, 5)]
 

@@ -85,8 +85,7 @@ def run_interpreter_cases() -> None:
 
 def run_fp4_interpreter_cases(small_tiles, block_m_32) -> None:
     """Packed FP4 experts (bf16 activations, fp32 accumulation): the bf16 tolerance, as the kernel's
-    bf16 weight tile equals the reference's dequantized weights (UE8M0 scales) or rounds them once
-    (fp32 scales). K = H and I multiples of 32 but not of 128, some experts idle, ids invalid."""
+    bf16 e2m1 values times fp32 scales equal the reference's fp32 dequantized weights. K = H and I multiples of 32 but not of 128, some experts idle, ids invalid."""
     from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
     from flashdsa.runtime.moe.triton.grouped_gemm import Tile
 

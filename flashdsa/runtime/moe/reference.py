@@ -59,13 +59,13 @@ def align_tokens(expert_ids: torch.Tensor, num_experts: int, block_m: int, num_b
 def _linear(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, pow2_scales: bool,
             quantize: bool) -> torch.Tensor:
     """``a: [n, K] @ w: [N, K]^T`` in fp32. Packed FP4 ``w`` ([N, K/2] uint8, its scales [N, K/32]):
-    dequantized to a's dtype (exact for UE8M0 scales; fp32 scales round there, as the GPU path's
-    bf16 weight tiles do). FP8 ``w`` (with its 128x128 block scales ``w_scale``): ``quantize`` first quantizes
+    dequantized in fp32 (the GPU path scales each group's fp32 partial sum, so fp32 scales do not
+    round the weights either). FP8 ``w`` (with its 128x128 block scales ``w_scale``): ``quantize`` first quantizes
     ``a`` per token and 128 channels, as the GPU path does; otherwise ``w`` is dequantized."""
     if w_scale is None:
         return a.float() @ w.float().T
     if w.dtype == torch.uint8:
-        return a.float() @ dequantize_fp4(w, w_scale).to(a.dtype).float().T
+        return a.float() @ dequantize_fp4(w, w_scale).T
     if not quantize:
         return a.float() @ dequantize_weight(w, w_scale).T
     a_fp8, a_scale = quantize_activations(a, pow2_scales=pow2_scales, backend="reference")

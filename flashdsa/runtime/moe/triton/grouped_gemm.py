@@ -15,9 +15,11 @@ to fp32 once per step, as DeepGEMM promotes once per 128.
 
 FP4 weights (``FP4``: DeepSeek-V4's routed experts, ``runtime.fp4``) are packed e2m1 pairs
 ``[E, N, K/2]`` uint8 with one power-of-two scale per 32 inputs ``[E, N, K/32]`` (UE8M0 exponent
-bytes, or fp32); each K step unpacks its weight tile to bf16 in registers (exact for UE8M0
-scales: an e2m1 value times a power of two) and multiplies it by the bf16 activations, so a
-decode step reads a quarter of the bf16 weight bytes.
+bytes, or fp32); a K step walks its scale groups: each group's 16 packed bytes a weight row give
+the even inputs' weights (low nibbles) and the odd ones' (high nibbles), turned into exact bf16
+by bit arithmetic and multiplied by the bf16 activations at even and odd columns (two dots), and
+the group's partial sum is scaled by its row's scale, as FP8 scales its steps. So no tile is
+interleaved or reshaped in registers, and a decode step reads a quarter of the bf16 weight bytes.
 
 Program ids walk ``GROUP_M`` blocks down one column tile before the next tile, so a group's
 activations and an expert's weight tile are reused from L2.
@@ -63,44 +65,30 @@ def _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_r
 
 
 @triton.jit
-def _load_fp4_tile(w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row,
-                   BLOCK_K: tl.constexpr, FP4_GROUP: tl.constexpr):
-    """Weight rows ``rows`` x columns ``[k0, k0 + BLOCK_K)`` of a packed FP4 weight, as bf16
-    (columns past ``k`` are 0). Byte j holds column 2j (low nibble) and 2j+1 (high nibble); a
-    nibble is sign, 2 exponent bits, 1 mantissa bit: magnitude ``m / 2`` (exponent 0) or
-    ``(2 + m) * 2^(e - 2)``, here in halves as an integer up to 12."""
-    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    mask = row_ok[:, None] & (cols < k // 2)[None, :]
-    packed = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=mask, other=0).to(tl.int32)
-    nibbles = tl.join(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K / 2, 2]: columns 2j, 2j + 1
-    code = nibbles & 7
-    exponent, mantissa = code >> 1, code & 1
-    halves = tl.where(exponent == 0, mantissa, ((2 + mantissa) << exponent) >> 1)
-    halves = tl.where((nibbles & 8) != 0, -halves, halves)
-    groups = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)
-    scale_mask = row_ok[:, None] & (groups < k // FP4_GROUP)[None, :]
-    scale = tl.load(w_scale_base + rows.to(tl.int64)[:, None] * stride_scale_row + groups[None, :], mask=scale_mask,
-                    other=0)
-    if w_scale_base.dtype.element_ty == tl.uint8:  # UE8M0: the exponent byte, bias 127
-        scale = tl.exp2(scale.to(tl.float32) - 127.0)
-    values = tl.reshape(halves.to(tl.float32), (rows.shape[0], BLOCK_K // FP4_GROUP, FP4_GROUP))
-    values = values * (0.5 * scale)[:, :, None]
-    return tl.reshape(values, (rows.shape[0], BLOCK_K)).to(tl.bfloat16)
+def _e2m1_to_bf16(nibble):
+    """e2m1 codes (int32 0..15: sign bit 3, then 2 exponent bits and 1 mantissa bit) as their exact
+    bf16 values, built as bf16 bits: codes 2..7 (1, 1.5, 2, 3, 4, 6) are ``(code + 252) << 6``
+    (exponent field 127 + code // 2 - 1, the mantissa bit on top), code 1 (0.5) is 0x3F00."""
+    code = nibble & 7
+    bits = tl.where(code < 2, code * 0x3F00, (code + 252) << 6) | ((nibble & 8) << 12)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _load_weight(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, k, stride_row, stride_scale_row,
-                 FP8: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                 FP4_GROUP: tl.constexpr):
-    """The weight tile of this K step and its per-row scale (1.0 but for FP8)."""
-    if FP4:
-        w = _load_fp4_tile(w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row, BLOCK_K,
-                           FP4_GROUP)
-        scale = 1.0
-    else:
-        w, scale = _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_row, stride_scale_row,
-                                     FP8, SCALE_GROUP)
-    return w, scale
+def _fp4_group_dot(a_even, a_odd, w_base, w_scale_base, rows, row_ok, group, stride_row, stride_scale_row,
+                   FP4_GROUP: tl.constexpr):
+    """``a @ w^T`` over the ``group``-th FP4_GROUP inputs, times each weight row's scale: the packed
+    bytes ``[rows, FP4_GROUP / 2]`` give the even inputs (low nibbles, times ``a_even``) and the odd
+    ones (high nibbles, times ``a_odd``), so no tile is interleaved or reshaped in registers."""
+    cols = group * (FP4_GROUP // 2) + tl.arange(0, FP4_GROUP // 2)
+    packed = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :], mask=row_ok[:, None],
+                     other=0).to(tl.int32)
+    part = tl.dot(a_even, tl.trans(_e2m1_to_bf16(packed & 0xF)))
+    part = tl.dot(a_odd, tl.trans(_e2m1_to_bf16(packed >> 4)), part)
+    scale = tl.load(w_scale_base + rows.to(tl.int64) * stride_scale_row + group, mask=row_ok, other=0)
+    if w_scale_base.dtype.element_ty == tl.uint8:  # UE8M0: the exponent byte, bias 127
+        scale = tl.exp2(scale.to(tl.float32) - 127.0)
+    return part * scale[None, :]
 
 
 @triton.jit
@@ -147,19 +135,34 @@ def _grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
     for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0)
-        a_scale = 1.0
-        if FP8:
-            a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
-        w, w_scale = _load_weight(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, k, stride_w_row,
-                                  stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
-        acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
-        if GATED:
-            w, w_scale = _load_weight(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, k, stride_w_row,
-                                      stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
-            acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
+        if FP4:  # group by group: even and odd inputs against the low and high nibbles
+            for g in tl.static_range(BLOCK_K // FP4_GROUP):
+                group = k0 // FP4_GROUP + g
+                in_k = group * FP4_GROUP < k  # K is a multiple of FP4_GROUP
+                ks = group * FP4_GROUP + 2 * tl.arange(0, FP4_GROUP // 2)
+                a_mask = live[:, None] & in_k
+                a_even = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=a_mask, other=0.0)
+                a_odd = tl.load(a_ptr + a_rows[:, None] * stride_a + 1 + ks[None, :], mask=a_mask, other=0.0)
+                acc += _fp4_group_dot(a_even, a_odd, w_base, w_scale_base, cols, col_ok & in_k, group,
+                                      stride_w_row, stride_scale_row, FP4_GROUP)
+                if GATED:
+                    acc_up += _fp4_group_dot(a_even, a_odd, w_base, w_scale_base, n + cols, col_ok & in_k,
+                                             group, stride_w_row, stride_scale_row, FP4_GROUP)
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=live[:, None] & k_ok[None, :],
+                        other=0.0)
+            a_scale = 1.0
+            if FP8:
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
+            w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
+                                           stride_scale_row, FP8, SCALE_GROUP)
+            acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
+            if GATED:
+                w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, stride_w_row,
+                                               stride_scale_row, FP8, SCALE_GROUP)
+                acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
     if GATED:
         if CLIP:
             acc = tl.minimum(acc, swiglu_limit)
