@@ -5,7 +5,7 @@ the top-k), and h_q 64 at b=128 s_q=2 and b=4 s_q=1; topk 2048 over 32K tokens p
 ids uniform over each request's context. Each call runs back to back from a CUDA graph (as a decode
 step replays it), cycling through input sets. FLOPs 2*h_q*topk*(576+512) per query row. Each
 row's note gives the ratio to FlashMLA (when ``flash_mla`` builds from ``.device/flashmla``, see
-``bench_v4_attention.load_flashmla``) and the largest |out| difference to FlashMLA and to triton.
+``common.load_flashmla``) and the largest |out| difference to FlashMLA and to triton.
 
     python3 -m benchmarks.bench_sparse_decode [--output BENCHMARKS.md] [--no-flashmla]
 """
@@ -19,8 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bench_decode_indexer import decode_inputs
-from benchmarks.bench_v4_attention import load_flashmla
-from benchmarks.common import Row, graph_ms, input_sets_for, output_parser, report
+from benchmarks.common import Row, graph_ms, input_sets_for, parse_with_flashmla, report
 from flashdsa.runtime.kernels import sparse_mla_decode
 
 log = logging.getLogger("bench_sparse_decode")
@@ -70,12 +69,8 @@ def bench_shape(device, b: int, s_q: int, h_q: int, fm) -> list[Row]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = output_parser(__doc__)
-    parser.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA's side-by-side timings")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    args, fm = parse_with_flashmla(__doc__, argv)
     device = torch.device("cuda")
-    fm = None if args.no_flashmla else load_flashmla()
     rows = []
     for b, s_q, h_q in tqdm(SHAPES, desc="sparse decode"):
         rows += bench_shape(device, b, s_q, h_q, fm)

@@ -8,7 +8,7 @@
 //
 // One CTA takes one query row, 64 heads and one split of the top-k list, in tiles of 64 keys:
 //  - producer warpgroup (4 warps, few registers): per tile, each warp reads 16 slot ids, gathers
-//    those tokens (16-byte loads, KEYS_IN_FLIGHT tokens per warp in flight), dequantizes the
+//    those tokens (16-byte loads, KEYS_IN_FLIGHT = 8 tokens per warp in flight), dequantizes the
 //    latent to bf16 with its tile scale and writes the 576-wide bf16 key rows into one of two
 //    shared-memory stages (zeros and a -inf score bias for invalid ids);
 //  - two consumer warpgroups (8 warps): warp (r, c) owns heads 16r..16r+15; it computes the
@@ -54,10 +54,13 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_THREADS = 32 * PRODUCER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
-constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 * 56 + 256 * 224 <= 65536
-constexpr int CONSUMER_REGS = 224;
+constexpr int PRODUCER_REGS = 112;  // setmaxnreg: 128 * 112 + 256 * 184 <= 65536 (ptxas spills the
+                                    // producer at 96 with 8 tokens in flight)
+constexpr int CONSUMER_REGS = 184;
 constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16
-constexpr int KEYS_IN_FLIGHT = 4;   // tokens a producer warp loads before converting any
+constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
+constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
+constexpr int ROPE_KEYS_PER_LOAD = 32 / ROPE_CHUNKS;   // one warp-wide load takes 4 tokens' RoPE
 constexpr int ROW_BYTES = D_QK * 2; // a bf16 row of Q or K in shared memory: 72 chunks of 16 B
 constexpr int P_ROW_BYTES = KEYS * 2;
 constexpr int ROW_GROUPS = 4;       // consumer warps along the heads (16 rows each)
@@ -74,8 +77,10 @@ static_assert(KEYS_PER_WARP % 16 == 0 && V_COLS_PER_WARP % 16 == 0 && D_QK % 16 
               "MMA tiles: m16n8k16 with B loaded two n-tiles at a time");
 static_assert(KEYS_PER_PRODUCER_WARP <= 16 && KEYS_PER_PRODUCER_WARP % KEYS_IN_FLIGHT == 0,
               "a producer warp's slot ids sit in lanes 0..15, taken KEYS_IN_FLIGHT at a time");
-static_assert(LATENT / 16 == 32 && ROPE * 2 / 16 <= 32 && QUANT_TILE % 16 == 0,
-              "a producer lane takes 16 latent bytes (one chunk of one quantization tile) and at most one RoPE chunk");
+static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0 &&
+                  KEYS_IN_FLIGHT % ROPE_KEYS_PER_LOAD == 0,
+              "a producer lane takes 16 latent bytes (one chunk of one quantization tile) of each token and one "
+              "RoPE chunk of every ROPE_KEYS_PER_LOAD tokens");
 static_assert(TOKEN_BYTES % 16 == 0 && ROPE_OFFSET % 16 == 0 && SCALE_OFFSET % 4 == 0,
               "tokens are gathered with 16-byte loads");
 static_assert((ROW_BYTES / 16) % 8 == 0 && (P_ROW_BYTES / 16) % 8 == 0,
@@ -126,6 +131,27 @@ __device__ __forceinline__ void ldsm_x4_trans(const uint8_t* at, uint32_t (&r)[4
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
                                              d[2], d[3]);
+}
+
+// acc[n] += A B_n over one k-step of 16 for the n-tiles n = 0..N-1 of a warp's 16 rows. a_at is
+// this lane's ldmatrix row address in the row-major A tile; b_at(jj) its row address for n-tiles
+// 2jj and 2jj + 1 of B, stored [n][k] (keys for Q K^T) or, with TRANS_B, [k][n] (V for P V).
+template <bool TRANS_B, int N, typename BAt>
+__device__ __forceinline__ void warp_mma(float (&acc)[N][4], const uint8_t* a_at, BAt b_at) {
+  static_assert(N % 2 == 0, "B is loaded two n-tiles at a time");
+  uint32_t a[4];
+  ldsm_x4(a_at, a);
+#pragma unroll
+  for (int jj = 0; jj < N / 2; ++jj) {
+    uint32_t b[4];
+    if constexpr (TRANS_B) {
+      ldsm_x4_trans(b_at(jj), b);
+    } else {
+      ldsm_x4(b_at(jj), b);
+    }
+    mma(acc[2 * jj], a, b[0], b[1]);
+    mma(acc[2 * jj + 1], a, b[2], b[3]);
+  }
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -200,18 +226,26 @@ __device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     uint8_t* rows = s.k[stage];
 #pragma unroll 1
     for (int j0 = 0; j0 < KEYS_PER_PRODUCER_WARP; j0 += KEYS_IN_FLIGHT) {
-      uint4 latent[KEYS_IN_FLIGHT], rope[KEYS_IN_FLIGHT];
+      uint4 latent[KEYS_IN_FLIGHT], rope[KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD];
       float scale[KEYS_IN_FLIGHT];
 #pragma unroll
       for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {  // all loads first: KEYS_IN_FLIGHT tokens in flight
         const int key_slot = __shfl_sync(0xffffffffu, my_slot, j0 + j);
-        latent[j] = rope[j] = make_uint4(0, 0, 0, 0);
+        latent[j] = make_uint4(0, 0, 0, 0);
         scale[j] = 0.0f;
         if (key_slot >= 0) {  // warp-uniform; only valid slots are dereferenced
           const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
           latent[j] = __ldg(reinterpret_cast<const uint4*>(token) + lane);
           scale[j] = __ldg(reinterpret_cast<const float*>(token + SCALE_OFFSET) + lane * 16 / QUANT_TILE);
-          if (lane < ROPE * 2 / 16) rope[j] = __ldg(reinterpret_cast<const uint4*>(token + ROPE_OFFSET) + lane);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {  // lane group lane / 8 takes one key's RoPE
+        const int key_slot = __shfl_sync(0xffffffffu, my_slot, j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS);
+        rope[i] = make_uint4(0, 0, 0, 0);
+        if (key_slot >= 0) {
+          const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
+          rope[i] = __ldg(reinterpret_cast<const uint4*>(token + ROPE_OFFSET) + lane % ROPE_CHUNKS);
         }
       }
 #pragma unroll
@@ -221,7 +255,11 @@ __device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s) {
         dequant_chunk(latent[j], scale[j], lo, hi);
         *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane, ROW_BYTES)) = lo;
         *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane + 1, ROW_BYTES)) = hi;
-        if (lane < ROPE * 2 / 16) *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane, ROW_BYTES)) = rope[j];
+      }
+#pragma unroll
+      for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {
+        const int key = first + j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS;
+        *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane % ROPE_CHUNKS, ROW_BYTES)) = rope[i];
       }
     }
     bar_arrive(BAR_FULL + stage, THREADS);
@@ -265,15 +303,8 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     for (int j = 0; j < S_TILES; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
 #pragma unroll 4
     for (int kk = 0; kk < D_QK / 16; ++kk) {
-      uint32_t qa[4];
-      ldsm_x4(s.q + swizzle(a_row, 2 * kk + a_chunk, ROW_BYTES), qa);
-#pragma unroll
-      for (int jj = 0; jj < S_TILES / 2; ++jj) {
-        uint32_t kb[4];
-        ldsm_x4(keys + swizzle(k_key + 16 * jj, 2 * kk + k_chunk, ROW_BYTES), kb);
-        mma(sc[2 * jj], qa, kb[0], kb[1]);
-        mma(sc[2 * jj + 1], qa, kb[2], kb[3]);
-      }
+      warp_mma<false>(sc, s.q + swizzle(a_row, 2 * kk + a_chunk, ROW_BYTES),
+                      [&](int jj) { return keys + swizzle(k_key + 16 * jj, 2 * kk + k_chunk, ROW_BYTES); });
     }
 
     // Scale to base 2, mask invalid keys, and agree on the tile's row maxima with the partner warp.
@@ -330,15 +361,8 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     // O += P V: heads 16r.. x value columns 256c.. over the tile's 64 keys.
 #pragma unroll
     for (int ks = 0; ks < KEYS / 16; ++ks) {
-      uint32_t pa[4];
-      ldsm_x4(s.p + swizzle(a_row, 2 * ks + a_chunk, P_ROW_BYTES), pa);
-#pragma unroll
-      for (int jj = 0; jj < O_TILES / 2; ++jj) {
-        uint32_t vb[4];
-        ldsm_x4_trans(keys + swizzle(16 * ks + v_key, v_chunk + 2 * jj, ROW_BYTES), vb);
-        mma(acc[2 * jj], pa, vb[0], vb[1]);
-        mma(acc[2 * jj + 1], pa, vb[2], vb[3]);
-      }
+      warp_mma<true>(acc, s.p + swizzle(a_row, 2 * ks + a_chunk, P_ROW_BYTES),
+                     [&](int jj) { return keys + swizzle(16 * ks + v_key, v_chunk + 2 * jj, ROW_BYTES); });
     }
     if (t + STAGES < w.tiles) bar_arrive(BAR_EMPTY + stage, THREADS);
   }
