@@ -67,17 +67,24 @@ def block_table(batch: int, blocks: int, device) -> torch.Tensor:
     return torch.randperm(batch * blocks, device=device).view(batch, blocks).to(torch.int32)
 
 
-def bench_decode(device, b, s_q, h_q, topk, s_kv, configs=DECODE_CONFIGS) -> list[Row]:
+def decode_inputs(device, b, s_q, h_q, topk, s_kv, sets=2) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An FP8 pool of ``b`` contexts of ``s_kv`` random tokens and ``sets`` input sets (q [b, s_q, h_q, 576]
+    bf16 N(0, 1/100), slot ids [b, s_q, topk] uniform over each request's context)."""
     blocks = s_kv // BS
     pool = fp8_bytes((b * blocks, BS, 1, 656), device)
     pool.view(torch.float32)[..., 128:132].uniform_(1e-3, 1e-2)  # tile scales
     pool.view(torch.bfloat16)[..., 264:].normal_()  # k_pe
-    sets = []
-    for _ in range(2):
+    inputs = []
+    for _ in range(sets):
         table = block_table(b, blocks, device)
         pos = torch.randint(0, s_kv, (b, s_q, topk), device=device)
         slots = (table.long().gather(1, (pos // BS).view(b, -1)).view(b, s_q, topk) * BS + pos % BS).to(torch.int32)
-        sets.append((torch.randn(b, s_q, h_q, 576, device=device, dtype=torch.bfloat16) / 10, slots))
+        inputs.append((torch.randn(b, s_q, h_q, 576, device=device, dtype=torch.bfloat16) / 10, slots))
+    return pool, inputs
+
+
+def bench_decode(device, b, s_q, h_q, topk, s_kv, configs=DECODE_CONFIGS) -> list[Row]:
+    pool, sets = decode_inputs(device, b, s_q, h_q, topk, s_kv)
     flops = b * s_q * 2 * h_q * topk * (576 + 512)
     shape = f"b={b} s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv // 1024}K"
     rows = []

@@ -15,15 +15,12 @@ output difference.
 
 from __future__ import annotations
 
-import logging
-import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import Row, graph_ms, input_sets_for, median_ms, output_parser, report
+from benchmarks.common import Row, graph_ms, input_sets_for, median_ms, parse_with_flashmla, report
 from flashdsa.runtime.cache.layout_v4 import V4_TOKEN_BYTES
 from flashdsa.runtime.kernels import sparse_attention_v4_decode, sparse_attention_v4_prefill
 
@@ -32,20 +29,6 @@ ENTRIES = 16384  # CSA entries of a 64K-token context
 PREFILL_S_Q = 4096
 DECODE_FLOOR = 200.0  # TFLOPS: no V4 target is set yet; the V3.2 decode kernel's measured rate
 PREFILL_FLOOR = 250.0
-FLASHMLA_DIR = Path(__file__).resolve().parents[1] / ".device" / "flashmla"
-
-log = logging.getLogger("bench_v4_attention")
-
-
-def load_flashmla():
-    """FlashMLA's Python package built for sm_90a, or None (logged) when it cannot be built here."""
-    try:
-        sys.path.insert(0, str(FLASHMLA_DIR))
-        from build import flash_mla  # noqa: PLC0415 (the anchor's build script, on the GPU machine only)
-        return flash_mla()
-    except Exception as e:  # a missing anchor or toolchain only drops the side-by-side column
-        log.warning("FlashMLA not available (%s): flashdsa only", e)
-        return None
 
 
 def random_pool(num_tokens: int, device) -> torch.Tensor:
@@ -113,12 +96,8 @@ def measure(name: str, shape: str, sets: list[dict], ours, theirs, fm, flops: fl
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = output_parser(__doc__)
-    parser.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA's side-by-side timings")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    args, fm = parse_with_flashmla(__doc__, argv)
     device = torch.device("cuda")
-    fm = None if args.no_flashmla else load_flashmla()
     rows = []
     cases = [(b, s_q, h_q) for h_q in (64, 128) for b in (1, 4, 16, 64, 128) for s_q in (1, 2)]
     for b, s_q, h_q in tqdm(cases, desc="decode"):

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -117,6 +118,30 @@ def output_parser(doc: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--output", help="append the table to this Markdown file")
     return parser
+
+
+FLASHMLA_DIR = Path(__file__).resolve().parents[1] / ".device" / "flashmla"
+
+
+def load_flashmla():
+    """FlashMLA's Python package built for sm_90a, or None (logged) when it cannot be built here."""
+    try:
+        sys.path.insert(0, str(FLASHMLA_DIR))
+        from build import flash_mla  # noqa: PLC0415 (the anchor's build script, on the GPU machine only)
+        return flash_mla()
+    except Exception as e:  # a missing anchor or toolchain only drops the side-by-side column
+        log.warning("FlashMLA not available (%s): flashdsa only", e)
+        return None
+
+
+def parse_with_flashmla(doc: str, argv: Optional[list[str]]) -> tuple[argparse.Namespace, object]:
+    """Parse ``--output`` and ``--no-flashmla`` for a benchmark timed next to FlashMLA, turn on INFO
+    logging, and return (args, FlashMLA's package or None)."""
+    parser = output_parser(doc)
+    parser.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA's side-by-side timings")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    return args, None if args.no_flashmla else load_flashmla()
 
 
 def cache_keys(jit_fn) -> set:

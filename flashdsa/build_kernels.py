@@ -28,6 +28,6 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"{ext.name}: built in {native.build(ext)}")
         except native.NativeBuildError as e:
-            print(f"flashdsa build-kernels: error: {e}", file=sys.stderr)
+            tqdm.write(f"flashdsa build-kernels: error: {e}", file=sys.stderr)  # on its own line, not the bar's
             failed += 1
     return 1 if failed else 0

@@ -206,6 +206,38 @@ def slots_from_positions(
     return torch.where(valid, blocks * block_size + safe % block_size, -1).to(torch.int32)
 
 
+def random_decode_inputs(
+    b: int, s_q: int, h_q: int, topk: int, context: int, device, *, generator: torch.Generator,
+    scale: float = 0.1, **index_options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of ``sparse_mla_decode``: q ``[b, s_q, h_q, 576]`` bf16, an FP8 pool holding ``b``
+    contexts of ``context`` tokens in scattered blocks (plus 3 spare blocks), and slot ids
+    ``[b, s_q, topk]`` int32 of random positions (``index_options`` as in :func:`random_indices`).
+    q and the cached tokens are N(0, scale^2), 1/10 as in FlashMLA's tests (its tolerances assume it)."""
+    blocks_per_seq = max(1, -(-context // BLOCK_SIZE))
+    num_blocks = b * blocks_per_seq + 3
+    pool = random_mla_cache(num_blocks, generator=generator, device=device, scale=scale)
+    table = random_block_table(b, blocks_per_seq, num_blocks, generator=generator)
+    positions = random_indices((b, s_q, topk), context, generator=generator, **index_options)
+    slots = slots_from_positions(positions, table).to(device)
+    q = (torch.randn(b, s_q, h_q, KV_LORA_RANK + ROPE_DIM, generator=generator) * scale).to(device, torch.bfloat16)
+    return q, pool, slots
+
+
+def assert_decode_close(
+    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, sm_scale: float,
+    out_abs_tol: float = 1e-3, lse_abs_tol: float = 1e-6,
+) -> None:
+    """A decode backend's (out, lse) against the reference on fp32 copies of q, with FlashMLA's
+    tolerances (``lse_abs_tol`` loosened where a caller says why)."""
+    from flashdsa.runtime.kernels import reference  # noqa: PLC0415 (testing imports no kernel at load)
+
+    ref_out, ref_lse = reference.sparse_mla_decode(q.float(), pool, slots, sm_scale)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, (out.dtype, lse.dtype)
+    assert_flashmla_close("out", out, ref_out, abs_tol=out_abs_tol)
+    assert_flashmla_close("lse", lse, ref_lse, abs_tol=lse_abs_tol, rel_tol=8 / 65536)
+
+
 def dense_sparse_mla(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

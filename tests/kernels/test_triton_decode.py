@@ -16,17 +16,15 @@ import os
 import pytest
 import torch
 
-from flashdsa.runtime.cache.layout import BLOCK_SIZE, D_QK, KV_LORA_RANK, ROPE_DIM, quantize_mla
-from flashdsa.runtime.kernels import reference, sparse_mla_decode
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, D_QK
+from flashdsa.runtime.kernels import sparse_mla_decode
 from flashdsa.runtime.kernels.triton import sparse_decode
 from flashdsa.testing import (
-    assert_flashmla_close,
+    assert_decode_close,
     flood_cuda_allocator_with_nan,
     kernel_test_main,
-    random_block_table,
-    random_indices,
+    random_decode_inputs,
     run_under_interpreter,
-    slots_from_positions,
 )
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
@@ -34,20 +32,9 @@ SM_SCALE = D_QK**-0.5
 
 
 def decode_inputs(b, s_q, h_q, topk, context, device, scale=0.1, **options):
-    """q [b, s_q, h_q, 576] bf16, a pool holding ``b`` contexts of ``context`` tokens in scattered
-    blocks, and slot ids [b, s_q, topk] of random positions (``options`` as in random_indices).
-    q and the cached tokens are N(0, scale^2), 1/10 as in FlashMLA's tests (its tolerances assume it)."""
+    """:func:`random_decode_inputs` seeded from this run's SEED and the shape."""
     g = torch.Generator().manual_seed(SEED + b * 7919 + s_q * 131 + h_q * 31 + topk)
-    blocks_per_seq = max(1, -(-context // BLOCK_SIZE))
-    num_blocks = b * blocks_per_seq + 3
-    shape = (num_blocks, BLOCK_SIZE, 1)
-    c_kv, k_pe = torch.randn(*shape, KV_LORA_RANK, generator=g), torch.randn(*shape, ROPE_DIM, generator=g)
-    pool = quantize_mla(c_kv * scale, k_pe * scale).to(device)
-    table = random_block_table(b, blocks_per_seq, num_blocks, generator=g)
-    positions = random_indices((b, s_q, topk), context, generator=g, **options)
-    slots = slots_from_positions(positions, table).to(device)
-    q = (torch.randn(b, s_q, h_q, D_QK, generator=g) * scale).to(device, torch.bfloat16)
-    return q, pool, slots
+    return random_decode_inputs(b, s_q, h_q, topk, context, device, generator=g, scale=scale, **options)
 
 
 def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3, config=None, lse_abs_tol=1e-6):
@@ -58,10 +45,7 @@ def check_decode(q, pool, slots, num_splits=None, out_abs_tol=1e-3, config=None,
         out, lse = sparse_mla_decode(q, pool, slots, SM_SCALE, backend="triton")
     else:
         out, lse = sparse_decode.sparse_mla_decode(q, pool, slots, SM_SCALE, 512, num_splits=num_splits, config=config)
-    ref_out, ref_lse = reference.sparse_mla_decode(q.float(), pool, slots, SM_SCALE)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert_flashmla_close("out", out, ref_out, abs_tol=out_abs_tol)
-    assert_flashmla_close("lse", lse, ref_lse, abs_tol=lse_abs_tol, rel_tol=8 / 65536)
+    assert_decode_close(out, lse, q, pool, slots, SM_SCALE, out_abs_tol, lse_abs_tol)
     return out, lse
 
 

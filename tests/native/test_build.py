@@ -12,6 +12,7 @@ import torch
 from flashdsa import cli
 from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.indexer import _cuda_topk_supports, indexer_topk
+from flashdsa.runtime.kernels import _cuda_decode_supports, sparse_mla_decode
 
 
 @pytest.mark.parametrize("ext", native.extensions(), ids=lambda e: e.name)
@@ -74,12 +75,18 @@ def test_without_nvcc_the_build_fails_once_with_the_reason(fake_op, monkeypatch)
     assert len(calls) == 1
 
 
-def test_build_kernels_reports_a_missing_toolchain_in_one_line(monkeypatch, capsys):
+def test_there_is_a_native_extension_for_the_sparse_decode():
+    assert "kernels" in [e.op for e in native.extensions()]
+    files = {p.name for p in native.Extension("kernels").files()}
+    assert files >= {"sparse_decode.cu", "sparse_decode_op.cpp", "sparse_decode.h"}
+
+
+def test_build_kernels_reports_a_missing_toolchain_in_one_line_per_extension(monkeypatch, capsys):
     monkeypatch.setattr(native, "cuda_home", lambda: None)
     assert cli.main(["build-kernels", "--compile-only"]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["flashdsa build-kernels: error: cannot compile flashdsa_indexer: nvcc not found: "
-                   "set CUDA_HOME, or pip install 'flashdsa[nvcc]'"]
+    err = re.findall(r"flashdsa build-kernels: [^\r\n]*", capsys.readouterr().err)  # not tqdm's bar
+    assert err == [f"flashdsa build-kernels: error: cannot compile {e.name}: nvcc not found: "
+                   "set CUDA_HOME, or pip install 'flashdsa[nvcc]'" for e in native.extensions()]
 
 
 def test_cuda_top_k_is_registered_and_refuses_what_it_cannot_serve(monkeypatch):
@@ -89,3 +96,20 @@ def test_cuda_top_k_is_registered_and_refuses_what_it_cannot_serve(monkeypatch):
     with pytest.raises(ValueError, match="backend 'cuda' cannot run indexer_topk: cuda needs a CUDA device"):
         indexer_topk(logits, 4, backend="cuda")
     assert "topk <= 2048, got 2049" in _cuda_topk_supports(topk=2049)
+
+
+def test_cuda_decode_is_registered_but_only_runs_when_forced(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.available("sparse_mla_decode")[0] == "cuda"
+    facts = dict(dtype=torch.bfloat16, h_q=128, d_v=512, topk=2048)
+    reason = _cuda_decode_supports(**facts)
+    if native.unavailable() is None:
+        assert isinstance(reason, dispatch.Declined), reason  # automatic selection keeps triton
+    for bad, message in ((dict(h_q=96), "h_q in (64, 128)"), (dict(topk=16385), "topk <= 16384"),
+                         (dict(d_v=256), "d_v == 512"), (dict(dtype=torch.float32), "bf16")):
+        assert message in _cuda_decode_supports(**{**facts, **bad})
+    q = torch.randn(1, 1, 64, 576).bfloat16()
+    cache = torch.zeros(1, 64, 1, 656, dtype=torch.uint8)
+    indices = torch.zeros(1, 1, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run sparse_mla_decode: cuda needs a CUDA device"):
+        sparse_mla_decode(q, cache, indices, 0.1, backend="cuda")

@@ -9,7 +9,9 @@ occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
 ``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
-backward a multiple of 64).
+backward a multiple of 64), ``cuda`` (decode only, SM90: bf16, h_q 64 or 128, d_v 512, topk up to
+16384; it declines automatic selection until it is measured faster than ``triton``, so it runs
+only when forced by ``FLASHDSA_BACKEND=cuda`` or ``backend="cuda"``).
 
 DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
 MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from flashdsa.runtime import dispatch
+from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.cache.layout import D_QK, MLA_TOKEN_BYTES
 from flashdsa.runtime.checks import check, check_tensor
 
@@ -38,6 +40,8 @@ TRITON_D_V = 512
 TRITON_MAX_TOPK = 8192
 TRITON_TOPK_MULTIPLE = 64
 TRITON_MAX_HEADS = 128
+CUDA_DECODE_HEADS = (64, 128)  # 64 heads per CTA (cuda/sparse_decode.h)
+CUDA_DECODE_MAX_TOPK = 16384
 
 
 def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, topk_multiple: int = 1,
@@ -54,6 +58,20 @@ def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: in
     return None
 
 
+def _cuda_decode_supports(dtype: torch.dtype, h_q: int, d_v: int, topk: int, **_) -> Optional[str]:
+    """Why the native decode cannot serve these shapes, or ``Declined`` while Triton is the faster
+    choice (it has not been measured faster yet); None when it should run."""
+    if dtype != torch.bfloat16:
+        return f"cuda sparse decode takes bf16 queries, got {dtype}"
+    if h_q not in CUDA_DECODE_HEADS or d_v != TRITON_D_V or topk > CUDA_DECODE_MAX_TOPK:
+        return (f"cuda sparse decode needs h_q in {CUDA_DECODE_HEADS}, d_v == {TRITON_D_V} and topk <= "
+                f"{CUDA_DECODE_MAX_TOPK}, got h_q={h_q}, d_v={d_v}, topk={topk}")
+    reason = native.unavailable()
+    if reason is not None:
+        return reason
+    return dispatch.Declined("cuda sparse decode is not measured faster than triton yet")
+
+
 for _op, _module in (("sparse_mla_fwd", "sparse_fwd"), ("sparse_mla_bwd", "sparse_bwd")):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
     dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}",
@@ -61,6 +79,8 @@ for _op, _module in (("sparse_mla_fwd", "sparse_fwd"), ("sparse_mla_bwd", "spars
 dispatch.register("sparse_mla_decode", "reference", f"{__name__}.reference:sparse_mla_decode")
 dispatch.register("sparse_mla_decode", "triton", f"{__name__}.triton.sparse_decode:sparse_mla_decode",
                   supports=_triton_supports)  # decode masks the last step: any topk
+dispatch.register("sparse_mla_decode", "cuda", f"{__name__}.cuda.sparse_decode:sparse_mla_decode",
+                  supports=_cuda_decode_supports)
 
 
 def _name(dtype: torch.dtype) -> str:
