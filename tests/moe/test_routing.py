@@ -102,7 +102,8 @@ def test_no_tokens():
 @pytest.mark.parametrize("tokens", [1, 128, 4096])
 def test_triton_routing_equals_reference_on_gpu(tokens):
     """V3.2's routing on random and tied logits: the same experts (but for near-ties an ulp apart);
-    the weights within an ulp."""
+    the weights within a few fp32 ulps (a sigmoid an ulp off moves the normalised weights of its row;
+    2.5e-7 failed at 4096 tokens on an H200)."""
     g = generator(3, tokens)
     for logits in (torch.randn(tokens, 256, generator=g) * 3, tied_logits(tokens, 256, g)):
         logits, bias = logits.cuda(), (torch.randn(256, generator=g) * 0.01).cuda()
@@ -112,7 +113,7 @@ def test_triton_routing_equals_reference_on_gpu(tokens):
         # whose scores are that close (seen: a few rows of 4096 on an H100); everything else is equal.
         same = (got_ids == want_ids).all(1)
         assert same.float().mean() >= 0.995, f"seed {SEED}: {int((~same).sum())} of {tokens} rows differ"
-        torch.testing.assert_close(got_w[same], want_w[same], rtol=2.5e-7, atol=0, msg=f"seed {SEED}")
+        torch.testing.assert_close(got_w[same], want_w[same], rtol=1e-6, atol=0, msg=f"seed {SEED}")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,10 @@ to fp32 once per step, as DeepGEMM promotes once per 128.
 
 FP4 weights (``FP4``: DeepSeek-V4's routed experts, ``runtime.fp4``) are packed e2m1 pairs
 ``[E, N, K/2]`` uint8 with one power-of-two scale per 32 inputs ``[E, N, K/32]`` (UE8M0 exponent
-bytes, or fp32); a K step walks its scale groups: each group's 16 packed bytes a weight row give
+bytes, or fp32). With UE8M0 bytes on a GPU that is the OCP microscaling (MXFP4) layout, and each K
+step is one ``tl.dot_scaled`` (bf16 activations, e2m1 weights), whose upcast the compiler places
+in the dot's operand layout. Otherwise (fp32 scales, or the CPU interpreter, which has no
+``dot_scaled``) a K step walks its scale groups: each group's 16 packed bytes a weight row give
 the even inputs' weights (low nibbles) and the odd ones' (high nibbles), turned into exact bf16
 by bit arithmetic and multiplied by the bf16 activations at even and odd columns (two dots), and
 the group's partial sum is scaled by its row's scale, as FP8 scales its steps. So no tile is
@@ -34,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.runtime.dispatch import interpreting
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.moe.alignment import AlignedPairs
 
@@ -92,6 +96,21 @@ def _fp4_group_dot(a_even, a_odd, w_base, w_scale_base, rows, row_ok, group, str
 
 
 @triton.jit
+def _fp4_scaled_dot(acc, a, w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row,
+                    BLOCK_K: tl.constexpr, FP4_GROUP: tl.constexpr):
+    """``acc + a @ w^T`` over inputs ``[k0, k0 + BLOCK_K)`` with ``tl.dot_scaled``: the packed bytes
+    are e2m1 pairs, first value in the low nibble, and the UE8M0 bytes its e8m0 scales, exactly
+    the OCP microscaling layout, so the compiler upcasts the weight in the dot's own operand layout."""
+    cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :],
+                     mask=row_ok[:, None] & (cols < k // 2)[None, :], other=0)
+    groups = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)
+    scale = tl.load(w_scale_base + rows.to(tl.int64)[:, None] * stride_scale_row + groups[None, :],
+                    mask=row_ok[:, None] & (groups < k // FP4_GROUP)[None, :], other=0)
+    return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
+
+
+@triton.jit
 def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
     """acc + a @ w^T; FP8 products are scaled by the row (token) and column (weight row) scales."""
     if FP8:
@@ -105,6 +124,7 @@ def _grouped_gemm_kernel(
     n, k, num_blocks, top_k, swiglu_limit,
     stride_a, stride_a_scale, stride_w_expert, stride_w_row, stride_scale_expert, stride_scale_row, stride_out,
     GATED: tl.constexpr, CLIP: tl.constexpr, WEIGHTED: tl.constexpr, FP8: tl.constexpr, FP4: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_GROUP: tl.constexpr, FP4_GROUP: tl.constexpr,
 ):
@@ -135,7 +155,7 @@ def _grouped_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
     for k0 in range(0, k, BLOCK_K):
-        if FP4:  # group by group: even and odd inputs against the low and high nibbles
+        if FP4 and not SCALED_DOT:  # group by group: even and odd inputs against the low and high nibbles
             for g in tl.static_range(BLOCK_K // FP4_GROUP):
                 group = k0 // FP4_GROUP + g
                 in_k = group * FP4_GROUP < k  # K is a multiple of FP4_GROUP
@@ -153,16 +173,24 @@ def _grouped_gemm_kernel(
             k_ok = ks < k
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=live[:, None] & k_ok[None, :],
                         other=0.0)
-            a_scale = 1.0
-            if FP8:
-                a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
-            w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
-                                           stride_scale_row, FP8, SCALE_GROUP)
-            acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
-            if GATED:
-                w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, stride_w_row,
+            if FP4:
+                acc = _fp4_scaled_dot(acc, a, w_base, w_scale_base, cols, col_ok, k0, k, stride_w_row,
+                                      stride_scale_row, BLOCK_K, FP4_GROUP)
+                if GATED:
+                    acc_up = _fp4_scaled_dot(acc_up, a, w_base, w_scale_base, n + cols, col_ok, k0, k, stride_w_row,
+                                             stride_scale_row, BLOCK_K, FP4_GROUP)
+            else:
+                a_scale = 1.0
+                if FP8:
+                    a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live,
+                                      other=0.0)
+                w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
                                                stride_scale_row, FP8, SCALE_GROUP)
-                acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
+                acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
+                if GATED:
+                    w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0,
+                                                   stride_w_row, stride_scale_row, FP8, SCALE_GROUP)
+                    acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
     if GATED:
         if CLIP:
             acc = tl.minimum(acc, swiglu_limit)
@@ -210,7 +238,8 @@ def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tens
         route_weights if weighted else out, n, k, num_blocks, top_k, 0.0 if swiglu_limit is None else swiglu_limit,
         a.stride(0), a_scale.stride(0) if fp8 else 0, w.stride(0), w.stride(1),
         w_scale.stride(0) if scaled else 0, w_scale.stride(1) if scaled else 0, out.stride(0),
-        GATED=gated, CLIP=swiglu_limit is not None, WEIGHTED=weighted, FP8=fp8, FP4=fp4, BLOCK_M=block_m,
+        GATED=gated, CLIP=swiglu_limit is not None, WEIGHTED=weighted, FP8=fp8, FP4=fp4,
+        SCALED_DOT=fp4 and w_scale.dtype == torch.uint8 and not interpreting(), BLOCK_M=block_m,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m, SCALE_GROUP=SCALE_GROUP,
         FP4_GROUP=FP4_GROUP, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
