@@ -15,16 +15,34 @@ writes are stream-ordered before any later use of them). One whose token in flig
 max_tokens is not scheduled again. The schedule itself can differ from the synchronous engine's
 (a finished sequence still holds its place and blocks for one more step); the tokens do not.
 
+Speculative decode steps (MTP drafts) overlap the same way. Step n verifies each sequence's draft
+and the MTP layer drafts the next, on the device (``speculative.verify_greedy_on_device``); it
+yields one token or two per sequence, which the host learns only when it reads step n back. So
+step n+1 is built for both outcomes: the scheduler plans each such sequence as if its draft were
+rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft``), the runner
+adds the accepted variant of the positions, slots and context lengths (``metadata.Outcomes``, in
+the same upload as the rest on the CUDA-graph path), and the device picks each sequence's variant
+from step n's accepted flags before the forward; the last token and the draft come from step n's
+outputs (``TokenFill``). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
+the next one. A sequence whose second token in flight might reach max_tokens waits for that
+read-back instead of running past it. The blocks reserved for an accepted draft that was rejected
+stay with the sequence, which fills them next (or frees them when it finishes).
+
 A step runs synchronously instead (step n's tokens are read first, then the step runs and samples
 as without async scheduling) when
 - a sampling sequence has repetition / frequency / presence penalties (they count its previous
   tokens on the host) or a structured-output grammar (its bitmask needs the matcher advanced by
   the previous token),
 - a chunk wants prompt logprobs, or a prompt-only request (max_tokens=0) reaches its end,
-- the engine decodes speculatively (MTP drafts) or runs tensor parallel (the other ranks take
-  their input ids from rank 0's host),
+- the engine decodes speculatively and the step is not a decode step (one token plus a draft
+  each) of plain greedy requests (``speculative.plain_greedy``): a prefill or mixed step, a
+  sampled request (its rejection sampling draws on the host), logprobs, logit bias,
+  penalties, grammars, min_tokens pending,
+- the engine runs tensor parallel (the other ranks take their input ids from rank 0's host),
 - its overlapped launch raised (a failing forward or sampler): the synchronous path then runs it
   again and finds the requests at fault one at a time, as without async scheduling.
+A synchronous step planned behind a speculative one settles its chunks first
+(``ScheduledChunk.resolve``: where each sequence stands once step n is read).
 """
 
 from __future__ import annotations
