@@ -61,10 +61,11 @@ class DecodeGraphs:
         # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table
         sizes = {"ids": mq, "positions": mq, "slots": mq, "next_ids": mq, "context_lens": max_batch,
                  "rows": max_batch, "state_slots": max_batch}
+        self.accepted: Optional[torch.Tensor] = None
         if speculative:  # the accepted-draft variant of a step launched behind a speculative one
             sizes.update(alt_positions=mq, alt_slots=mq, alt_context_lens=max_batch, accept_rows=max_batch)
-        # the previous step's accepted-draft flags, and one False past them (accept_rows -1)
-        self.accepted = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)
+            # the previous step's accepted-draft flags, and one False past them (accept_rows -1)
+            self.accepted = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)
         self.offsets, offset = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = offset

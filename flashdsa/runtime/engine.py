@@ -145,7 +145,7 @@ class LLMEngine:
 
     def _launch(self, chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[InFlightStep]:
         """Run the step of ``chunks`` and sample it on the device, its input ids that ``previous``
-        sampled taken from the device; count its tokens as computed and its samples as pending.
+        sampled taken from the device; count its tokens as computed, its samples and drafts as pending.
         None (nothing counted) if the forward or the sampler raised: the step then runs synchronously."""
         try:
             step_logits = self.runner.run(chunks, token_fill(chunks, previous))

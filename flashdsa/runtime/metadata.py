@@ -161,6 +161,7 @@ class Outcomes:
         """``meta`` (on the device) with each sequence's variant picked on the device (an eager
         step: the variants go up in one copy)."""
         parts = [self.rows, self.positions, self.slot_mapping, self.context_lens.long()]
-        rows, positions, slots, lens = to_device(torch.cat(parts), meta.positions.device).split([p.numel() for p in parts])
+        up = to_device(torch.cat(parts), meta.positions.device)
+        rows, positions, slots, lens = up.split([p.numel() for p in parts])
         accepted = torch.cat([self.accepted, self.accepted.new_zeros(1)])[rows]  # row -1: the False appended
         return choose(meta, accepted, positions, slots, lens.int())

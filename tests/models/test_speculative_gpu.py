@@ -29,7 +29,8 @@ def test_greedy_tokens_are_identical_with_speculation_eager_and_graphed(tmp_path
                                     (1, False, True)):
         llm = LLM(path, device="cuda", max_num_seqs=8, max_model_len=512, enforce_eager=eager,
                   speculative_tokens=spec, async_scheduling=overlapped)
-        tokens[spec, eager, overlapped] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[spec, eager, overlapped] = [r.outputs[0].token_ids for r in outs]
         if spec:
             assert llm.engine.num_draft_tokens > 0 and llm.engine.block_manager.num_used_blocks == 0
             assert bool(llm.engine.runner.graphs and llm.engine.runner.graphs.draft_graphs) == (not eager)
