@@ -3,6 +3,8 @@ the engine launches step n+1 behind a step that verifies drafts, with its inputs
 outcomes and picked on the device. Greedy tokens must be those of plain decoding and of
 synchronous speculation, token for token, with the same draft counts and no block left behind."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_async_scheduling import run_engine
@@ -11,6 +13,7 @@ from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.loader import load_model
 from flashdsa.models.tiny import make_tiny_checkpoint
 from flashdsa.runtime import metadata as metadata_module
+from flashdsa.runtime.cuda_graphs import DecodeGraphs
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
 from flashdsa.runtime.metadata import BatchMetadata, Outcomes
 from flashdsa.runtime.sampling_params import SamplingParams
@@ -195,3 +198,38 @@ def test_outcomes_give_each_sequence_the_metadata_of_where_it_stands():
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
         assert all(b >= w for b, w in zip(bounded.context_lens_host, want.context_lens_host))
         assert bounded.max_context_len >= want.max_context_len
+
+
+def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
+    """Give ``engine``'s runner decode graphs whose "replay" runs the captured forward eagerly (the
+    CPU has no CUDA graphs): their static inputs, staging and in-graph variant pick run as on a GPU."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the CPU build cannot pin
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.caches, engine.config.max_num_seqs, engine.max_model_len,
+                          runner.device, speculative=True)
+    graphs._fill_padding(0, graphs.max_batch)
+    graphs.inputs.copy_(graphs.staging)
+    for b in graphs.buckets:
+        graphs.graphs[b] = SimpleNamespace(replay=lambda b=b: graphs.outputs.__setitem__(b, graphs._forward(b)))
+        graphs.draft_graphs[b] = SimpleNamespace(
+            replay=lambda b=b: graphs.draft_outputs.__setitem__(b, graphs._draft_forward(b)))
+    runner.graphs = graphs
+    return graphs
+
+
+def test_decode_graph_inputs_pick_each_sequences_variant(default_model, monkeypatch):
+    """The CUDA-graph path's static buffer (both variants in one upload, the pick inside the
+    graph, padding rows), replayed eagerly: the tokens of plain decoding, the synchronous counts."""
+    requests = _requests(default_model[1])
+    want = run_engine(_engine(default_model, "plain"), requests)
+    counts = {}
+    for setting in ("speculative", "speculative+async"):
+        engine = _engine(default_model, setting)
+        graphs = _with_eager_graphs(engine, monkeypatch)
+        replays, replay = [], graphs.replay
+        monkeypatch.setattr(graphs, "replay", lambda *a: replays.append(len(a) > 3 and a[3] is not None) or replay(*a))
+        assert run_engine(engine, requests) == want, setting
+        counts[setting] = (engine.num_draft_tokens, engine.num_accepted_tokens, len(replays))
+        assert engine.block_manager.num_used_blocks == 0
+    assert counts["speculative+async"] == counts["speculative"] and counts["speculative"][2] > 10
+    assert sum(replays) > 10  # overlapped replays with both variants
