@@ -12,9 +12,9 @@ sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`
 ``max_batch x max_blocks``, so the copy of a step is one prefix of it. Speculative graphs also
 hold a second variant of the positions, slots and context lengths and each sequence's row in the
 previous step's accepted-draft flags (``metadata.Outcomes``: with async scheduling the host does
-not know yet where a sequence stands); the graph picks each sequence's variant itself. Padding rows of a model with
-per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the runner allocates
-beyond the block manager's. The graph itself unpacks the buffer into the model's
+not know yet where a sequence stands); the graph picks each sequence's variant itself. Padding
+rows of a model with per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the
+runner allocates beyond the block manager's. The graph itself unpacks the buffer into the model's
 ``BatchMetadata``. The host stages a step in one of two pinned buffers, in turn: with async
 scheduling it writes step n+1's inputs while step n's copy may still be queued, and the engine has
 waited for step n-1's tokens (queued after the copy from the other buffer) by then. The paged
