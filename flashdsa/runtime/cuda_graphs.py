@@ -9,9 +9,12 @@ padding that writes no cache slot (slot -1) and reads block 0 (their outputs are
 Inputs live in one static int64 buffer, ``[ids | positions | slots | next_ids | context_lens |
 rows | state_slots | block table]``, the per-token fields ``max_batch * q`` long (q tokens per
 sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`` and the table
-``max_batch x max_blocks``, so the copy of a step is one prefix of it. Padding rows of a model with
-per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the runner allocates
-beyond the block manager's. The graph itself unpacks the buffer into the model's
+``max_batch x max_blocks``, so the copy of a step is one prefix of it. Speculative graphs also
+hold a second variant of the positions, slots and context lengths and each sequence's row in the
+previous step's accepted-draft flags (``metadata.Outcomes``: with async scheduling the host does
+not know yet where a sequence stands); the graph picks each sequence's variant itself. Padding
+rows of a model with per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the
+runner allocates beyond the block manager's. The graph itself unpacks the buffer into the model's
 ``BatchMetadata``. The host stages a step in one of two pinned buffers, in turn: with async
 scheduling it writes step n+1's inputs while step n's copy may still be queued, and the engine has
 waited for step n-1's tokens (queued after the copy from the other buffer) by then. The paged
@@ -28,7 +31,7 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime.checks import trusted_values
-from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.metadata import BatchMetadata, Outcomes, choose
 from flashdsa.runtime.transfer import TokenFill
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,11 @@ class DecodeGraphs:
         # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table
         sizes = {"ids": mq, "positions": mq, "slots": mq, "next_ids": mq, "context_lens": max_batch,
                  "rows": max_batch, "state_slots": max_batch}
+        self.accepted: Optional[torch.Tensor] = None
+        if speculative:  # the accepted-draft variant of a step launched behind a speculative one
+            sizes.update(alt_positions=mq, alt_slots=mq, alt_context_lens=max_batch, accept_rows=max_batch)
+            # the previous step's accepted-draft flags, and one False past them (accept_rows -1)
+            self.accepted = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)
         self.offsets, offset = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = offset
@@ -103,16 +111,24 @@ class DecodeGraphs:
                     len(self.graphs), self.buckets, self.q, ", with the MTP layer" if self.speculative else "",
                     time.perf_counter() - start, (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
-    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None):
+    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None,
+               outcomes: Optional[Outcomes] = None):
         """Logits ``[B * q, vocab]`` fp32 (speculative: and the hidden states ``[B * q, hidden]``) of
         a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors);
-        ``fill`` then writes the ids only the device knows. Valid until the next replay."""
+        ``fill`` then writes the ids only the device knows, and the graph picks each sequence's
+        variant of ``outcomes`` (speculative only). Valid until the next replay."""
         batch = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= batch)
         self.staging = self.stagings[1] if self.staging is self.stagings[0] else self.stagings[0]
         s, n = self.staging, batch * self.q
-        for name, field in (("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
-                            ("context_lens", meta.context_lens), ("state_slots", meta.state_slots)):
+        fields = [("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
+                  ("context_lens", meta.context_lens), ("state_slots", meta.state_slots)]
+        if outcomes is not None:
+            fields += [("alt_positions", outcomes.positions), ("alt_slots", outcomes.slot_mapping),
+                       ("alt_context_lens", outcomes.context_lens), ("accept_rows", outcomes.rows)]
+        elif self.speculative:
+            s[self.offsets["accept_rows"] : self.offsets["accept_rows"] + batch] = -1
+        for name, field in fields:
             if field is not None:
                 s[self.offsets[name] : self.offsets[name] + field.numel()] = field
         table = s[self.table_offset : self.table_offset + bucket * self.max_blocks].view(bucket, self.max_blocks)
@@ -121,6 +137,8 @@ class DecodeGraphs:
         self._fill_padding(batch, bucket)
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
+        if outcomes is not None:
+            self.accepted[: outcomes.accepted.numel()].copy_(outcomes.accepted)
         if fill is not None:
             fill.apply(self._field("ids", n))
         self.graphs[bucket].replay()
@@ -155,6 +173,8 @@ class DecodeGraphs:
         s[self.offsets["context_lens"] + first : self.offsets["context_lens"] + last] = q
         s[self.offsets["rows"] + first : self.offsets["rows"] + last] = torch.arange(first, last) * q
         s[self.offsets["state_slots"] + first : self.offsets["state_slots"] + last] = self.max_batch
+        if self.speculative:
+            s[self.offsets["accept_rows"] + first : self.offsets["accept_rows"] + last] = -1
         s[self.table_offset + first * self.max_blocks : self.table_offset + last * self.max_blocks] = 0
 
     def input_ids(self, length: int) -> torch.Tensor:
@@ -165,10 +185,11 @@ class DecodeGraphs:
         return self.inputs[self.offsets[name] : self.offsets[name] + length]
 
     def _meta(self, batch: int) -> BatchMetadata:
-        """The static inputs' first ``batch`` sequences as the model's BatchMetadata (device tensors)."""
+        """The static inputs' first ``batch`` sequences as the model's BatchMetadata (device
+        tensors), each sequence's variant picked (speculative)."""
         q, n = self.q, batch * self.q
         table = self.inputs[self.table_offset : self.table_offset + batch * self.max_blocks].view(batch, self.max_blocks)
-        return BatchMetadata(
+        meta = BatchMetadata(
             positions=self._field("positions", n),
             seq_ids=torch.arange(batch, device=self.device).repeat_interleave(q),
             query_start_loc=torch.arange(batch + 1, device=self.device, dtype=torch.int32) * q,
@@ -177,6 +198,11 @@ class DecodeGraphs:
             query_lens=(q,) * batch, context_lens_host=(self.max_model_len,) * batch,
             max_context_len=self.max_model_len, state_slots=self._field("state_slots", batch),
         )
+        if not self.speculative:
+            return meta
+        accepted = self.accepted[self._field("accept_rows", batch)]  # row -1: the False past the flags
+        return choose(meta, accepted, self._field("alt_positions", n), self._field("alt_slots", n),
+                      self._field("alt_context_lens", batch).to(torch.int32))
 
     def _forward(self, batch: int):
         """The model's decode forward over the first ``batch`` sequences of the static inputs."""

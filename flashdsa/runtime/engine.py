@@ -22,7 +22,8 @@ from flashdsa.runtime.block_manager import BlockManager
 from flashdsa.runtime.engine_config import EngineConfig, plan_num_blocks
 from flashdsa.runtime.model_runner import ModelRunner, StepLogits, state_slots
 from flashdsa.runtime.outputs import OutputProcessor
-from flashdsa.runtime.overlap import InFlightStep, NewTokens, launch_sampling, overlappable, token_fill
+from flashdsa.runtime.overlap import (InFlightStep, NewTokens, launch_sampling, launch_verification, overlappable,
+                                     token_fill)
 from flashdsa.runtime.sampler import sample_each, token_logprobs
 from flashdsa.runtime.speculative import Speculation
 from flashdsa.runtime.sampling_params import SamplingParams
@@ -138,14 +139,20 @@ class LLMEngine:
                 chunks = []
         outputs = self._complete(previous) if previous is not None else []
         chunks = [c for c in chunks if not c.seq.is_finished]  # previous's tokens ended them
+        for chunk in chunks:
+            chunk.resolve()  # a sequence whose draft previous verified: where it stands now
         return outputs + (self._run(chunks) if chunks else [])
 
     def _launch(self, chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[InFlightStep]:
         """Run the step of ``chunks`` and sample it on the device, its input ids that ``previous``
-        sampled taken from the device; count its tokens as computed and its samples as pending.
+        sampled taken from the device; count its tokens as computed, its samples and drafts as pending.
         None (nothing counted) if the forward or the sampler raised: the step then runs synchronously."""
         try:
-            in_flight = launch_sampling(chunks, self.runner.run(chunks, token_fill(chunks, previous)))
+            step_logits = self.runner.run(chunks, token_fill(chunks, previous))
+            if self.speculation:
+                in_flight = launch_verification(chunks, step_logits, self.runner)
+            else:
+                in_flight = launch_sampling(chunks, step_logits)
         except Exception:
             logger.exception("overlapped step of %d requests failed; running it synchronously", len(chunks))
             return None
@@ -154,21 +161,29 @@ class LLMEngine:
             self.block_manager.register_computed(chunk.seq)
         for chunk in in_flight.chunks:
             chunk.seq.num_pending_tokens += 1
+            chunk.seq.num_pending_drafts += chunk.draft is not None
         return in_flight
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
-        """Wait for the tokens ``step`` sampled and append them; a sequence that finished meanwhile
-        (its wasted token) or was aborted gets none. A failed read-back fails the step's requests."""
+        """Wait for the tokens ``step`` sampled and append them (with speculation: 1 or 2, the
+        drafts counted and the next ones set); a sequence that finished meanwhile (its wasted
+        tokens) or was aborted gets none. A failed read-back fails the step's requests."""
         try:
             results = step.results()
+            drafts = step.verdict.outcome[1] if step.verdict is not None else None
         except Exception as exc:
             logger.exception("reading a step's tokens failed")
-            results = [exc] * len(step.chunks)
+            results, drafts = [exc] * len(step.chunks), None
         outputs = []
-        for chunk, result in zip(step.chunks, results):
-            chunk.seq.num_pending_tokens -= 1
-            if not chunk.seq.is_finished:
-                outputs.append(self._commit(chunk.seq, result))
+        for j, (chunk, result) in enumerate(zip(step.chunks, results)):
+            seq = chunk.seq
+            seq.num_pending_tokens -= 1
+            seq.num_pending_drafts -= chunk.draft is not None
+            if seq.is_finished:
+                continue
+            if drafts is not None:
+                result = self.speculation.settle(seq, result[0], drafts[j])
+            outputs.append(self._commit(seq, result))
         return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:

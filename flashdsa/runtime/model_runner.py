@@ -16,9 +16,9 @@ import torch
 
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.cuda_graphs import DecodeGraphs
-from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.metadata import BatchMetadata, Outcomes
 from flashdsa.runtime.parallel import steps
-from flashdsa.runtime.scheduler import ScheduledChunk
+from flashdsa.runtime.scheduler import DEVICE_TOKEN, ScheduledChunk
 from flashdsa.runtime.transfer import TokenFill, to_device
 
 
@@ -44,8 +44,8 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
     """Flat input ids [T] int64 and the step's BatchMetadata (CPU), plus each chunk's logits rows.
 
     Built with a handful of batched tensor ops, so the cost per step stays small at batch 128+.
-    A token still on the device (async scheduling: the last one of a chunk) gets id 0 here; the
-    runner's ``TokenFill`` writes it on the device.
+    A token still on the device (async scheduling: the last one of a chunk, and a draft the step
+    in flight made) gets id ``DEVICE_TOKEN`` here; the runner's ``TokenFill`` writes it on the device.
     """
     ids: list[int] = []
     logits_indices: list[int] = []
@@ -53,7 +53,7 @@ def build_metadata(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, BatchMet
     for chunk in chunks:
         first = len(ids)
         known = chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-        ids += known + [0] * (chunk.num_tokens - len(known))
+        ids += known + [DEVICE_TOKEN] * (chunk.num_tokens - len(known))
         row_start.append(len(logits_indices))
         if chunk.draft is not None:
             ids.append(chunk.draft)
@@ -102,11 +102,15 @@ class ModelRunner:
             self.graphs.capture()
 
     def run(self, chunks: list[ScheduledChunk], fill: Optional[TokenFill] = None) -> StepLogits:
-        """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank only)."""
+        """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank
+        only) and, behind a speculative step, says which sequences the device moves one position on."""
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
+        outcomes = None
+        if fill is not None and fill.accepted is not None:
+            outcomes, meta = Outcomes.of(meta, fill.rows, fill.accepted)
         decode = _is_decode(chunks, self.speculative)
         self._copy_states([(c.restore_from, c.seq.state_slot) for c in chunks if c.restore_from >= 0])
-        logits = self.forward(input_ids, meta, decode, fill)
+        logits = self.forward(input_ids, meta, decode, fill, outcomes)
         self._copy_states([(c.seq.state_slot, c.snapshot_to) for c in chunks if c.snapshot_to >= 0])
         return StepLogits(logits, row_start, num_rows)
 
@@ -116,25 +120,27 @@ class ModelRunner:
             self.caches.copy_slots(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False,
-                fill: Optional[TokenFill] = None) -> torch.Tensor:
+                fill: Optional[TokenFill] = None, outcomes: Optional[Outcomes] = None) -> torch.Tensor:
         """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
         if self.leader is not None:
             assert fill is None, "tensor-parallel ranks take every input id from the host"
             steps.send(self.leader, (input_ids, meta, decode))
-        return self.execute(input_ids, meta, decode, fill)
+        return self.execute(input_ids, meta, decode, fill, outcomes)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool,
-                fill: Optional[TokenFill] = None) -> torch.Tensor:
+                fill: Optional[TokenFill] = None, outcomes: Optional[Outcomes] = None) -> torch.Tensor:
         """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits). The
         inputs go up without a host sync, so this only queues work on CUDA."""
         self.last = None
         graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
         if graph:
-            logits = self.graphs.replay(input_ids, meta, fill)
+            logits = self.graphs.replay(input_ids, meta, fill, outcomes)
             input_ids = self.graphs.input_ids(input_ids.numel())
         else:
             meta, input_ids = meta.to(self.device), to_device(input_ids, self.device)
+            if outcomes is not None:
+                meta = outcomes.apply(meta)
             if fill is not None:
                 fill.apply(input_ids)
             kwargs = {"return_hidden": True} if self.speculative else {}

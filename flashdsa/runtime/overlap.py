@@ -15,16 +15,34 @@ writes are stream-ordered before any later use of them). One whose token in flig
 max_tokens is not scheduled again. The schedule itself can differ from the synchronous engine's
 (a finished sequence still holds its place and blocks for one more step); the tokens do not.
 
+Speculative decode steps (MTP drafts) overlap the same way. Step n verifies each sequence's draft
+and the MTP layer drafts the next, on the device (``speculative.verify_greedy_on_device``); it
+yields one token or two per sequence, which the host learns only when it reads step n back. So
+step n+1 is built for both outcomes: the scheduler plans each such sequence as if its draft were
+rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft``), the runner
+adds the accepted variant of the positions, slots and context lengths (``metadata.Outcomes``, in
+the same upload as the rest on the CUDA-graph path), and the device picks each sequence's variant
+from step n's accepted flags before the forward; the last token and the draft come from step n's
+outputs (``TokenFill``). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
+the next one. A sequence whose second token in flight might reach max_tokens waits for that
+read-back instead of running past it. The blocks reserved for an accepted draft that was rejected
+stay with the sequence, which fills them next (or frees them when it finishes).
+
 A step runs synchronously instead (step n's tokens are read first, then the step runs and samples
 as without async scheduling) when
 - a sampling sequence has repetition / frequency / presence penalties (they count its previous
   tokens on the host) or a structured-output grammar (its bitmask needs the matcher advanced by
   the previous token),
 - a chunk wants prompt logprobs, or a prompt-only request (max_tokens=0) reaches its end,
-- the engine decodes speculatively (MTP drafts) or runs tensor parallel (the other ranks take
-  their input ids from rank 0's host),
+- the engine decodes speculatively and the step is not a decode step (one token plus a draft
+  each) of plain greedy requests (``speculative.plain_greedy``): a prefill or mixed step, a
+  sampled request (its rejection sampling draws on the host), logprobs, logit bias,
+  penalties, grammars, min_tokens pending,
+- the engine runs tensor parallel (the other ranks take their input ids from rank 0's host),
 - its overlapped launch raised (a failing forward or sampler): the synchronous path then runs it
   again and finds the requests at fault one at a time, as without async scheduling.
+A synchronous step planned behind a speculative one settles its chunks first
+(``ScheduledChunk.resolve``: where each sequence stands once step n is read).
 """
 
 from __future__ import annotations
@@ -37,6 +55,7 @@ import torch
 from flashdsa.runtime.sampler import as_token_logprobs, logprob_tensors, penalised, sample
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import TokenLogprobs
+from flashdsa.runtime.speculative import GreedyVerdict, verifiable_on_device, verify_greedy_on_device
 from flashdsa.runtime.transfer import HostCopy, TokenFill, tensor_on
 
 if TYPE_CHECKING:
@@ -47,8 +66,10 @@ NewTokens = tuple[list[int], list[Optional[TokenLogprobs]]]
 
 def overlappable(chunks: list[ScheduledChunk], runner: "ModelRunner") -> bool:
     """Whether the step of ``chunks`` may run overlapped (see the module docstring for why not)."""
-    if runner.speculative or runner.leader is not None:
+    if runner.leader is not None:
         return False
+    if runner.speculative:
+        return verifiable_on_device(chunks)
     for chunk in chunks:
         seq = chunk.seq
         if seq.wants_prompt_logprobs:
@@ -62,9 +83,11 @@ def overlappable(chunks: list[ScheduledChunk], runner: "ModelRunner") -> bool:
 class InFlightStep:
     """A launched step whose sampled tokens are on their way to the host.
 
-    chunks: the chunks that sample, in the order of ``tokens: [R]`` int64 (device); rows: id(seq)
-    -> its index in tokens; logprob_rows / num_top: the rows that asked for logprobs and how many
-    alternatives each; copy: tokens, then the logprob tensors, to the host."""
+    chunks: the chunks that sample, R of them; rows: id(seq) -> its row; tokens: (device) int64
+    the token each row sampled ``[R]``, or for a speculative step ``[2R]`` each row's last new
+    token, then its next draft; logprob_rows / num_top: the rows that asked for logprobs and how
+    many alternatives each; copy: tokens, then the logprob tensors, to the host; verdict: a
+    speculative step's verification (its own copy)."""
 
     chunks: list[ScheduledChunk]
     rows: dict[int, int]
@@ -72,9 +95,12 @@ class InFlightStep:
     logprob_rows: list[int]
     num_top: list[int]
     copy: HostCopy
+    verdict: Optional[GreedyVerdict] = None
 
     def results(self) -> list[NewTokens]:
-        """Each chunk's new token and its logprobs (None where not asked); waits for the copy."""
+        """Each chunk's new tokens and their logprobs (None where not asked); waits for the copy."""
+        if self.verdict is not None:
+            return [(new, [None] * len(new)) for new in self.verdict.outcome[0]]
         host = self.copy.wait()
         tokens = host[0].tolist()
         logprobs: list[Optional[TokenLogprobs]] = [None] * len(tokens)
@@ -105,13 +131,31 @@ def launch_sampling(chunks: list[ScheduledChunk], step_logits: "StepLogits") -> 
                         logprob_rows, num_top, HostCopy([tokens, *found]))
 
 
+def launch_verification(chunks: list[ScheduledChunk], step_logits: "StepLogits", runner: "ModelRunner") -> InFlightStep:
+    """Verify a speculative decode step (``verifiable_on_device``) and draft the next one on the
+    device, and queue the copy of the outcome to the host; nothing waits for the GPU."""
+    verdict = verify_greedy_on_device(runner, step_logits.logits)
+    return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)},
+                        torch.cat([verdict.last_tokens(), verdict.drafts]), [], [], verdict.copy, verdict)
+
+
 def token_fill(chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[TokenFill]:
     """The input ids of ``chunks`` that only the device has: a chunk's last token when it is the
-    one ``previous`` sampled for its sequence (None when there is none)."""
-    dst, src, offset = [], [], 0
+    one ``previous`` sampled for its sequence, and its draft when ``previous`` made it; then also
+    which sequences run one position on should ``previous`` accept their draft (None when none)."""
+    dst, src, rows, offset = [], [], [], 0
     for chunk in chunks:
-        if chunk.start + chunk.num_tokens > len(chunk.seq.token_ids):
+        row = previous.rows[id(chunk.seq)] if chunk.start + chunk.num_tokens > len(chunk.seq.token_ids) else -1
+        if row >= 0:
             dst.append(offset + chunk.num_tokens - 1)
-            src.append(previous.rows[id(chunk.seq)])
+            src.append(row)
+        if chunk.pending_draft:
+            dst.append(offset + chunk.num_tokens)
+            src.append(len(previous.chunks) + row)
+        rows.append(row if chunk.pending_draft else -1)
         offset += chunk.num_run
-    return TokenFill(dst, src, previous.tokens) if dst else None
+    if not dst:
+        return None
+    if max(rows) < 0:
+        return TokenFill(dst, src, previous.tokens)
+    return TokenFill(dst, src, previous.tokens, rows, previous.verdict.accepted)

@@ -8,6 +8,10 @@ usually makes that cheap). Waiting sequences are admitted, in arrival order, whi
 the cap on running sequences and the free blocks allow, and never in a step that preempted.
 With async scheduling a sequence's length includes the token the step in flight samples for it
 (``Sequence.num_tokens``), and one whose token in flight reaches max_tokens is not scheduled.
+When that step verifies a draft of the sequence (speculative decoding), it brings one token or
+two: the chunk is planned for one (``ScheduledChunk.pending_draft``), gets the blocks for two, and
+its last token and draft come from the device; one whose second token might reach max_tokens
+waits until the step's tokens are read.
 """
 
 from __future__ import annotations
@@ -26,10 +30,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens per forward step at most
 
 
+DEVICE_TOKEN = 0  # the host's stand-in for a token only the device knows yet (async scheduling fills it in)
+
+
 @dataclass
 class ScheduledChunk:
     """seq runs tokens [start, start + num_tokens) of seq.token_ids this step, then ``draft``
-    (speculative decoding: a guess of the token after them, verified by this step), if any."""
+    (speculative decoding: a guess of the token after them, verified by this step), if any.
+
+    ``pending_draft``: the step in flight verifies a draft of seq, so the host does not know yet
+    whether seq holds one token more: the chunk is planned as if that draft were rejected and
+    starts one position later if it is accepted (the device picks, ``metadata.Outcomes``); its
+    token and its draft (``DEVICE_TOKEN`` here) are the ones the step in flight produces."""
 
     seq: Sequence
     start: int
@@ -37,6 +49,7 @@ class ScheduledChunk:
     draft: Optional[int] = None
     restore_from: int = -1  # a state snapshot to copy into seq's state slot before the step (prefix hit)
     snapshot_to: int = -1  # a snapshot slot to copy seq's state slot into after the step
+    pending_draft: bool = False
 
     @property
     def num_run(self) -> int:
@@ -47,6 +60,12 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """True when the chunk reaches the end of the sequence, so the step samples a token."""
         return self.start + self.num_tokens == self.seq.num_tokens
+
+    def resolve(self) -> None:
+        """Settle a ``pending_draft`` chunk once the host has read the step in flight (the chunk
+        then runs synchronously): it starts where seq's cache ends, with seq's draft."""
+        if self.pending_draft:
+            self.start, self.draft, self.pending_draft = self.seq.num_computed_tokens, self.seq.draft_token, False
 
 
 class Scheduler:
@@ -72,20 +91,23 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending_tokens and seq.num_output_tokens + seq.num_pending_tokens >= seq.max_tokens:
-                i += 1  # the token in flight is its last (max_tokens): nothing more to run
+            pending_draft = seq.num_pending_drafts > 0
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_tokens = self._cap(seq, min(remaining, budget))
+            if (seq.num_pending_tokens and seq.num_output_tokens + seq.num_pending_tokens + seq.num_pending_drafts
+                    >= seq.max_tokens) or (pending_draft and num_tokens >= budget):
+                i += 1  # a token in flight may be its last (max_tokens), or its draft does not fit: not now
                 continue
-            num_tokens = self._cap(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
-            draft = seq.draft_token if num_tokens == seq.num_tokens - seq.num_computed_tokens < budget else None
+            draft = (DEVICE_TOKEN if pending_draft else seq.draft_token) if num_tokens == remaining < budget else None
             num_run = num_tokens + (draft is not None)
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_run):
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_run + pending_draft):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                chunks.append(self._chunk(seq, num_tokens, draft))
+                chunks.append(self._chunk(seq, num_tokens, draft, pending_draft))
                 budget -= num_run
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -114,10 +136,12 @@ class Scheduler:
             return boundary - seq.num_computed_tokens
         return num_tokens
 
-    def _chunk(self, seq: Sequence, num_tokens: int, draft: Optional[int] = None) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_tokens: int, draft: Optional[int] = None,
+               pending_draft: bool = False) -> ScheduledChunk:
         """seq's chunk of the step, with the state copies it needs: the snapshot its prefix hit
         restores (once), the snapshot its state is copied to where the chunk ends at the boundary."""
-        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, draft, seq.restore_from)
+        chunk = ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, draft, seq.restore_from,
+                               pending_draft=pending_draft)
         seq.restore_from = -1
         end = seq.num_computed_tokens + num_tokens
         if end == self.block_manager.snapshot_boundary(seq) > 0:

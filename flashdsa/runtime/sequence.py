@@ -58,7 +58,8 @@ class Sequence:
     slots are in block_table); a step runs the next chunk and samples once the chunk reaches the
     end. Preemption frees the blocks and resets num_computed_tokens to 0 (recompute later). With
     async scheduling the tokens a launched step samples count in num_pending_tokens until the
-    host reads them (``num_tokens`` includes them; token_ids does not).
+    host reads them (``num_tokens`` includes them; token_ids does not); a launched step that
+    verifies a draft of the sequence may bring one token more (``num_pending_drafts``).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0  # sampled by a step still in flight, not yet in token_ids (async scheduling)
+        self.num_pending_drafts = 0  # drafts verified by a step in flight: each may add one token more
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.state_slot = -1  # the per-sequence state (DeepSeek-V4's window and compressors) it holds, -1: none

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from flashdsa.runtime.sampler import adjust_logits, adjusts_logits, draw, sample, sampled_logprobs, sampling_probs
 from flashdsa.runtime.scheduler import ScheduledChunk
-from flashdsa.runtime.sequence import Sequence, TokenLogprobs
+from flashdsa.runtime.sequence import Sequence, SequenceStatus, TokenLogprobs
+from flashdsa.runtime.transfer import HostCopy
 
 if TYPE_CHECKING:
     from flashdsa.runtime.model_runner import ModelRunner
@@ -137,25 +139,50 @@ def plain_greedy(seq: Sequence) -> bool:
     return seq.params.greedy and seq.params.logprobs is None and not adjusts_logits(seq)
 
 
-def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor, chunks: list[ScheduledChunk]
-                            ) -> tuple[list[list[int]], list[Optional[int]]]:
-    """A decode step whose chunks are each one token plus a draft of a ``plain_greedy`` request,
-    flat tokens [t_0, d_0, t_1, d_1, ...] and logits rows in the same order: each chunk's new tokens
-    (t_n = argmax of its first row; t_{n+1} = argmax of the second when d = t_n) and the MTP layer's
-    next draft, drafted from the same device tensors (its inputs never visit the host), so the
-    step reads the device once instead of four times."""
-    device = logits.device
+def verifiable_on_device(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk runs one token plus a draft and samples, for a ``plain_greedy`` request: the
+    step can be verified and drafted on the device alone (``verify_greedy_on_device``)."""
+    return all(c.num_tokens == 1 and c.draft is not None and c.samples and plain_greedy(c.seq) for c in chunks)
+
+
+@dataclass
+class GreedyVerdict:
+    """A decode step verified and drafted on the device, its copy to the host under way.
+
+    picks: [2N] int64, the argmax of each logits row (t_n, then t_{n+1} should the draft hold);
+    accepted: [N] bool, whose draft held; drafts: [N] int64, the MTP layer's next draft of each."""
+
+    picks: torch.Tensor
+    accepted: torch.Tensor
+    drafts: torch.Tensor
+    copy: HostCopy
+
+    def last_tokens(self) -> torch.Tensor:
+        """Each chunk's last new token ``[N]`` (t_{n+1} where its draft held, else t_n), on the device."""
+        return self.picks.view(-1, 2).gather(1, self.accepted.long()[:, None])[:, 0]
+
+    @cached_property
+    def outcome(self) -> tuple[list[list[int]], list[int]]:
+        """Each chunk's new tokens (1, or 2 where its draft held) and its next draft; waits for the copy."""
+        values = self.copy.wait()[0].tolist()
+        n = len(values) // 4
+        return [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)], values[3 * n :]
+
+
+def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor) -> GreedyVerdict:
+    """Queue the verification of a ``verifiable_on_device`` step, flat tokens [t_0, d_0, t_1, d_1,
+    ...] and logits rows in the same order: t_n = argmax of a chunk's first row, t_{n+1} = argmax
+    of its second when d = t_n; the MTP layer's next draft is drafted from the same device tensors
+    (its inputs never visit the host), so the step reads the device once instead of four times.
+    Nothing here waits for the GPU."""
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     accepted = picks[0::2] == drafts
     # MTP inputs: the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if accepted);
     # each sequence drafts from its last committed token.
-    rows = torch.arange(len(chunks), device=device) * 2 + accepted
+    rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
     next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    values = torch.cat([picks, accepted.long(), next_drafts]).tolist()
-    n = len(chunks)
-    tokens = [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)]
-    return tokens, values[3 * n :]
+    return GreedyVerdict(picks, accepted, next_drafts, HostCopy([torch.cat([picks, accepted.long(), next_drafts])]))
 
 
 class Speculation:
@@ -173,18 +200,21 @@ class Speculation:
         and draft on the device in one read-back (``verify_greedy_on_device``): each chunk's (new
         tokens, their logprobs). None when the step does not qualify or that fails (the engine's
         general path then runs)."""
-        if not (len(sampling) == len(chunks)
-                and all(c.num_tokens == 1 and c.draft is not None and plain_greedy(c.seq) for c in chunks)):
+        if not (len(sampling) == len(chunks) and verifiable_on_device(chunks)):
             return None
         try:
-            tokens, drafts = verify_greedy_on_device(self.runner, logits, chunks)
+            tokens, drafts = verify_greedy_on_device(self.runner, logits).outcome
         except Exception:
             logger.exception("verifying %d drafts on the device failed; using the general path", len(chunks))
             return None
-        self._count(len(chunks), [c.seq for c, new in zip(chunks, tokens) if len(new) == 2])
-        for chunk, new, draft in zip(chunks, tokens, drafts):
-            self._set_draft(chunk.seq, len(chunk.seq) + len(new), draft)
-        return [(new, [None] * len(new)) for new in tokens]
+        return [self.settle(chunk.seq, new, draft) for chunk, new, draft in zip(chunks, tokens, drafts)]
+
+    def settle(self, seq: Sequence, new: list[int], draft: int) -> tuple[list[int], list[None]]:
+        """Count seq's draft verified on the device (``new``: its new tokens, 2 when the draft held)
+        and set its next draft: its (new tokens, their logprobs: none asked)."""
+        self._count(1, [seq] if len(new) == 2 else [])
+        self._set_draft(seq, len(seq) + len(new), draft)
+        return new, [None] * len(new)
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor, rows: list[int],
                token_bitmask: Optional[torch.Tensor]) -> Optional[list]:
@@ -215,12 +245,15 @@ class Speculation:
             self._set_draft(seq, length, draft)
 
     def _count(self, num_drafts: int, accepted: list[Sequence]) -> None:
-        """Count a step's verified drafts; an accepted draft is in the cache already."""
+        """Count a step's verified drafts; an accepted draft is in the cache already (unless its
+        sequence was preempted while the step was in flight, async scheduling: it recomputes)."""
         for seq in accepted:
-            seq.num_computed_tokens += 1
+            seq.num_computed_tokens += seq.status is SequenceStatus.RUNNING
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += len(accepted)
 
     def _set_draft(self, seq: Sequence, length: int, draft: Optional[int]) -> None:
-        """seq's next draft, once it holds ``length`` tokens: none where its position would pass max_model_len."""
-        seq.draft_token = draft if length < self.max_model_len else None
+        """seq's next draft, once it holds ``length`` tokens: none where its position would pass
+        max_model_len, or where seq was preempted meanwhile (its recompute drafts afresh)."""
+        running = seq.status is SequenceStatus.RUNNING
+        seq.draft_token = draft if length < self.max_model_len and running else None

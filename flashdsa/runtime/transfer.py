@@ -49,12 +49,19 @@ class HostCopy:
 
 class TokenFill:
     """Input ids that only the device knows yet: ``ids[dst[j]] = tokens[src[j]]`` for host index
-    lists ``dst`` and ``src`` and device ``tokens: [R]`` int64 (the tokens the previous step sampled).
-    The indices go up in one non-blocking copy; the gather and scatter run on the device, so step
-    n+1's input never waits for step n's tokens to reach the host."""
+    lists ``dst`` and ``src`` and device ``tokens`` int64 (what the previous step sampled: its
+    tokens, and after a speculative step also its drafts). The indices go up in one non-blocking
+    copy; the gather and scatter run on the device, so step n+1's input never waits for step n's
+    tokens to reach the host.
 
-    def __init__(self, dst: list[int], src: list[int], tokens: torch.Tensor) -> None:
+    After a speculative step, ``accepted: [R]`` bool (device) says whose draft it accepted and
+    ``rows[b]`` is sequence b's row in it (-1: the step did not verify one for it): those
+    sequences run one position later when accepted (``metadata.Outcomes``)."""
+
+    def __init__(self, dst: list[int], src: list[int], tokens: torch.Tensor, rows: Optional[list[int]] = None,
+                 accepted: Optional[torch.Tensor] = None) -> None:
         self.dst, self.src, self.tokens = dst, src, tokens
+        self.rows, self.accepted = rows, accepted
 
     def apply(self, ids: torch.Tensor) -> None:
         """Write the tokens into ``ids: [T]`` int64 (on the tokens' device), in place."""

@@ -1,4 +1,4 @@
-"""Tiny checkpoints shared by the model tests (written once per session)."""
+"""Tiny checkpoints shared by the model tests (written once per session), and the GPU tests' host-sync counter."""
 
 import pytest
 import torch
@@ -29,3 +29,29 @@ def hf_shrunk(shrunk):
 def random_ids():
     """``random_ids(n, seed)``: n ordinary (non-special) token ids of the tiny tokenizer's vocab."""
     return lambda n, seed=0: torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def steps_without_syncs(monkeypatch):
+    """``steps_without_syncs(engine, n)`` -> (each step's outputs, waits, graph replays): n engine
+    steps under sync debug mode "error", where every stream sync or blocking copy raises; the one
+    wait a step may make, for the step before's tokens, is an event synchronize (which that mode
+    lets through), counted in ``waits``; ``replays`` names each replay of the decode graphs in order."""
+
+    def run(engine, n: int):
+        waits, replays = [], []
+        synchronize = torch.cuda.Event.synchronize
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: waits.append(1) or synchronize(event))
+        graphs = engine.runner.graphs
+        for name in ("replay", "replay_draft"):
+            replay = getattr(graphs, name)
+            monkeypatch.setattr(graphs, name, lambda *a, replay=replay, name=name: replays.append(name) or replay(*a))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outputs = [engine.step() for _ in range(n)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return outputs, len(waits), replays
+
+    return run

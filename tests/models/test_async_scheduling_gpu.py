@@ -4,7 +4,6 @@ tokens, and its decode loop waits for the GPU only to read back the previous ste
 from dataclasses import replace
 
 import pytest
-import torch
 
 from flashdsa.models.tiny import make_tiny_checkpoint
 from flashdsa.runtime.llm import LLM
@@ -48,10 +47,8 @@ def test_overlapped_decoding_gives_the_synchronous_tokens_with_cuda_graphs(tmp_p
 
 
 @pytest.mark.gpu
-def test_the_decode_loop_waits_only_for_the_previous_steps_tokens(tmp_path, monkeypatch):
-    """Under sync debug mode "error" every stream sync or blocking copy raises; the one wait a
-    step may make, for the tokens of the step before, is an event synchronize (which that mode
-    lets through): counted here, exactly one per step."""
+def test_the_decode_loop_waits_only_for_the_previous_steps_tokens(tmp_path, steps_without_syncs):
+    """Exactly one wait (for the tokens of the step before) and one graph replay per step."""
     llm = LLM(make_tiny_checkpoint(tmp_path), device="cuda", max_num_seqs=8, max_model_len=512, async_scheduling=True)
     engine = llm.engine
     prompts, params = _requests()
@@ -59,17 +56,6 @@ def test_the_decode_loop_waits_only_for_the_previous_steps_tokens(tmp_path, monk
         engine.add_request(str(i), prompt, replace(p, stop_token_ids=[], max_tokens=100))  # all 10 steps decode
     for _ in range(4):  # the prefill and the first overlapped decode steps, syncs allowed
         engine.step()
-    waits = []
-    synchronize = torch.cuda.Event.synchronize
-    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: waits.append(1) or synchronize(event))
-    replays = []
-    replay = engine.runner.graphs.replay
-    monkeypatch.setattr(engine.runner.graphs, "replay", lambda *a: replays.append(1) or replay(*a))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        outputs = [engine.step() for _ in range(10)]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert len(waits) == 10 and len(replays) == 10
+    outputs, waits, replays = steps_without_syncs(engine, 10)
+    assert waits == 10 and replays == ["replay"] * 10
     assert all(len(step) == 5 and all(len(o.new_token_ids) == 1 for o in step) for step in outputs)
