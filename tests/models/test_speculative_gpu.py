@@ -58,7 +58,7 @@ def test_overlapped_speculation_on_the_default_model_gives_the_synchronous_token
     for overlapped in (False, True):
         engine = LLM(DEFAULT_MODEL, device="cuda", max_num_seqs=8, max_model_len=512, speculative_tokens=1,
                      async_scheduling=overlapped).engine
-        prompts, params = _default_model_requests(engine.tokenizer, 5, 0)
+        prompts, params = _default_model_requests(engine.tokenizer, 5, 1)  # max_tokens set per request below
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, replace(params, max_tokens=60 + i))
         results[overlapped] = [[] for _ in prompts]
