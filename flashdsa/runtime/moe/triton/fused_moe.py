@@ -47,16 +47,17 @@ WEIGHT_FORMATS = ("bf16", "fp8", "fp4")  # the expert weights' storage, the HEUR
 
 # (largest mean pairs per expert, bf16 config, FP8 config, FP4 config): the first row whose bound
 # holds. FP8 tiles keep block_k dividing 128 (one scale per step), FP4 tiles a multiple of 32 (whole
-# scale groups; wide at decode, where a step reads only block_k / 2 bytes a weight row). Written
-# without a GPU run (each fits Hopper's shared memory with its pipeline stages):
-# `bench_moe.py --sweep` is what fixes them.
+# scale groups). The FP4 decode rows (<= 16 pairs an expert) are the fastest of
+# `bench_moe.py --sweep --shape v4 --dtype fp4` on an H200 (session 7, the tl.dot_scaled path, T = 1,
+# 32, 128); the other rows were written without a GPU run (each fits Hopper's shared memory with
+# its pipeline stages): `bench_moe.py --sweep` is what fixes them.
 HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig, MoeConfig], ...] = (
     (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-     MoeConfig(16, Tile(32, 256, 4, 3), Tile(64, 128, 4, 4))),
+     MoeConfig(16, Tile(64, 128, 4, 3), Tile(64, 128, 4, 5))),
     (16, MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-     MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4))),
+     MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 128, 4, 4))),
     (48, MoeConfig(32, Tile(64, 64, 4, 4), Tile(128, 64, 4, 4)),
      MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3)),
      MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 64, 4, 3))),
