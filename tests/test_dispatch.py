@@ -55,11 +55,22 @@ def test_environment_variable_forces_a_backend(monkeypatch):
     assert sparse_mla_fwd(*fwd_inputs(), 0.1, backend="reference")[0].shape == (2, 4, 512)
 
 
+def test_environment_variable_leaves_ops_without_that_backend_to_automatic_choice(monkeypatch):
+    """FLASHDSA_BACKEND=cuda forces the native kernels that exist; every other op keeps choosing
+    (an explicit backend= argument still refuses what it cannot run)."""
+    op = "test_dispatch_reference_only_op"
+    dispatch.register(op, "reference", "flashdsa.runtime.kernels.reference:sparse_mla_fwd")
+    monkeypatch.setenv(dispatch.ENV_VAR, "cuda")
+    assert dispatch.choose(op, CPU) == "reference"
+    with pytest.raises(ValueError, match="has no cuda implementation"):
+        dispatch.choose(op, CPU, backend="cuda")
+
+
 def test_unknown_backend_is_rejected(monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         sparse_mla_fwd(*fwd_inputs(), 0.1, backend="tilelang")
     monkeypatch.setenv(dispatch.ENV_VAR, "tilelang")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="FLASHDSA_BACKEND must be one of"):
         sparse_mla_fwd(*fwd_inputs(), 0.1)
     with pytest.raises(ValueError, match="backend must be one of"):
         dispatch.register("sparse_mla_fwd", "tilelang", "x:y")

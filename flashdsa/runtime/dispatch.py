@@ -91,10 +91,13 @@ def _unavailable(op: str, backend: str, device: torch.device, facts: dict) -> Op
 def choose(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> str:
     """The name of the backend that runs ``op`` on ``device``.
 
-    backend: None picks automatically (``FLASHDSA_BACKEND`` forces one when set).
+    backend: None picks automatically; ``FLASHDSA_BACKEND`` forces one for every op that has it
+    (``cuda`` forces the native kernels that exist while the other ops keep choosing).
     facts: keyword shape facts handed to each backend's support check (e.g. ``h_q=128``).
     """
-    forced = backend or os.environ.get(ENV_VAR) or None
+    forced = backend
+    if forced is None:
+        forced = _environment_backend(op)
     if forced is not None:
         if forced not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
@@ -113,6 +116,14 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **facts
         if name in _REGISTRY.get(op, {}) and not isinstance(reason, Declined):
             reasons.append(reason)
     raise ValueError(f"no backend can run {op} on {device}: {'; '.join(reasons)}")
+
+
+def _environment_backend(op: str) -> Optional[str]:
+    """``FLASHDSA_BACKEND`` when set and ``op`` has that backend, else None (automatic)."""
+    name = os.environ.get(ENV_VAR) or None
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {BACKENDS}, got {name!r}")
+    return name if name in _REGISTRY.get(op, {}) else None
 
 
 def select(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> Callable:
