@@ -111,11 +111,22 @@ def _fp4_scaled_dot(acc, a, w_base, w_scale_base, rows, row_ok, k0, k, stride_ro
 
 
 @triton.jit
-def _accumulate(acc, a, a_scale, w, w_scale, FP8: tl.constexpr):
-    """acc + a @ w^T; FP8 products are scaled by the row (token) and column (weight row) scales."""
-    if FP8:
-        return acc + tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
-    return tl.dot(a, tl.trans(w), acc)
+def _accumulate(acc, a, a_scale, w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, k, stride_row, stride_scale_row,
+                FP8: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                FP4_GROUP: tl.constexpr):
+    """acc + a @ w^T over this K step for weight rows ``rows``: FP4 through ``tl.dot_scaled``; FP8
+    products scaled by the row (token) and column (weight row) scales; bf16 as they are."""
+    if FP4:  # constexpr branches, not early returns: Triton would still compile what follows
+        acc = _fp4_scaled_dot(acc, a, w_base, w_scale_base, rows, row_ok, k0, k, stride_row, stride_scale_row,
+                              BLOCK_K, FP4_GROUP)
+    else:
+        w, w_scale = _load_weight_tile(w_base, w_scale_base, rows, row_ok, ks, k_ok, k0, stride_row,
+                                       stride_scale_row, FP8, SCALE_GROUP)
+        if FP8:
+            acc = acc + tl.dot(a, tl.trans(w)) * (a_scale[:, None] * w_scale[None, :])
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
@@ -173,24 +184,14 @@ def _grouped_gemm_kernel(
             k_ok = ks < k
             a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=live[:, None] & k_ok[None, :],
                         other=0.0)
-            if FP4:
-                acc = _fp4_scaled_dot(acc, a, w_base, w_scale_base, cols, col_ok, k0, k, stride_w_row,
-                                      stride_scale_row, BLOCK_K, FP4_GROUP)
-                if GATED:
-                    acc_up = _fp4_scaled_dot(acc_up, a, w_base, w_scale_base, n + cols, col_ok, k0, k, stride_w_row,
-                                             stride_scale_row, BLOCK_K, FP4_GROUP)
-            else:
-                a_scale = 1.0
-                if FP8:
-                    a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live,
-                                      other=0.0)
-                w, w_scale = _load_weight_tile(w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, stride_w_row,
-                                               stride_scale_row, FP8, SCALE_GROUP)
-                acc = _accumulate(acc, a, a_scale, w, w_scale, FP8)
-                if GATED:
-                    w, w_scale = _load_weight_tile(w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0,
-                                                   stride_w_row, stride_scale_row, FP8, SCALE_GROUP)
-                    acc_up = _accumulate(acc_up, a, a_scale, w, w_scale, FP8)
+            a_scale = 1.0
+            if FP8:
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_a_scale + k0 // SCALE_GROUP, mask=live, other=0.0)
+            acc = _accumulate(acc, a, a_scale, w_base, w_scale_base, cols, col_ok, ks, k_ok, k0, k, stride_w_row,
+                              stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
+            if GATED:
+                acc_up = _accumulate(acc_up, a, a_scale, w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, k,
+                                     stride_w_row, stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
     if GATED:
         if CLIP:
             acc = tl.minimum(acc, swiglu_limit)
