@@ -263,6 +263,35 @@ def dense_sparse_mla(
     return out, max_logits, lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
+RAW_OP_CHILD = """
+import sys, torch
+from {module} import {name} as _load  # builds the extension
+cuda = torch.device("cuda")
+op = {op}
+stream = torch.cuda.current_stream().cuda_stream
+{setup}
+for message, args in CASES:
+    try:
+        op(*args)
+    except RuntimeError as error:
+        assert message in str(error), (message, str(error))
+    else:
+        sys.exit(f"no error: {{message}}")
+"""
+
+
+def assert_raw_op_refuses(module: str, name: str, op: str, setup: str) -> None:
+    """Call native op ``op`` (made loadable by importing ``name`` from ``module``) with the bad
+    arguments of ``setup``'s ``CASES`` list of (expected message, args) in a child process, and
+    assert each raises a RuntimeError naming its argument: a crash (the C++ runtime's own failure
+    mode) fails the test rather than the whole run."""
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    code = RAW_OP_CHILD.format(module=module, name=name, op=op, setup=setup)
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=path), capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, f"exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
 def run_under_interpreter(script: str, seed: int, timeout: float = 600) -> None:
     """Run ``python script --interpret`` with ``TRITON_INTERPRET=1`` and assert it succeeds.
 

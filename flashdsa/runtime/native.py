@@ -15,6 +15,11 @@ CUTLASS headers come from the ``nvidia-cutlass`` wheel when it is installed. Wit
 ``cuda`` backend is unavailable and dispatch says so. :func:`compile_check` compiles every source
 without linking (no GPU, no CUDA torch needed) and returns ptxas's register, spill and shared
 memory report: CI runs it.
+
+The extension links against the ``libstdc++`` this process already runs (torch's). A compiler that
+links ``libstdc++`` statically by default (the GPU image's ``CXX=/opt/gcc/bin/g++`` does) would
+otherwise give the extension a private copy whose stream locale is never initialized, so the first
+``TORCH_CHECK`` message that formats a number crashed the process (SIGSEGV) instead of raising.
 """
 
 from __future__ import annotations
@@ -125,6 +130,16 @@ def _cuda_includes(home: Path) -> list[str]:
     return [str(p) for p in paths if p is not None and p.is_dir()]
 
 
+def loaded_libstdcxx() -> Optional[str]:
+    """The ``libstdc++.so`` mapped into this process (torch's C++ runtime), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    paths = (line.split(maxsplit=5)[-1] for line in maps if "/libstdc++.so" in line)
+    return next((path for path in paths if Path(path).is_file()), None)
+
+
 def cache_root() -> Path:
     root = os.environ.get(CACHE_ENV) or os.environ.get("TORCH_EXTENSIONS_DIR")
     return Path(root) if root else Path.home() / ".cache" / "flashdsa" / "kernels"
@@ -135,8 +150,14 @@ def build_directory(ext: Extension, home: Path) -> Path:
     digest = hashlib.sha256()
     for path in ext.files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join([*NVCC_FLAGS, torch.__version__, str(torch.version.cuda), str(home)]).encode())
+    digest.update(" ".join([*NVCC_FLAGS, *_link_flags(), torch.__version__, str(torch.version.cuda), str(home)]).encode())
     return cache_root() / f"{ext.name}-{digest.hexdigest()[:16]}"
+
+
+def _link_flags() -> list[str]:
+    """Link the C++ runtime torch runs on by its path, ahead of whatever the compiler adds by default."""
+    runtime = loaded_libstdcxx()
+    return [runtime] if runtime else []
 
 
 @contextmanager
@@ -179,7 +200,7 @@ def build(ext: Extension) -> Path:
     with exclusive(directory):
         try:
             cpp_extension.load(name=ext.name, sources=[str(p) for p in ext.files(".cu", ".cpp")],
-                               extra_cuda_cflags=NVCC_FLAGS, extra_include_paths=_cuda_includes(home),
+                               extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=_link_flags(), extra_include_paths=_cuda_includes(home),
                                build_directory=str(directory), is_python_module=False,
                                verbose=logger.isEnabledFor(logging.DEBUG))
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:

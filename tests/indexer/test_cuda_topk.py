@@ -15,7 +15,7 @@ import torch
 
 from flashdsa.runtime import dispatch
 from flashdsa.runtime.indexer import CUDA_MAX_TOPK, indexer_topk
-from flashdsa.testing import poisoned_empty, tricky_logits
+from flashdsa.testing import assert_raw_op_refuses, poisoned_empty, tricky_logits
 
 SEED = int.from_bytes(os.urandom(4), "little")
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -115,6 +115,27 @@ def test_topk_replays_in_a_cuda_graph():
     logits.copy_(torch.randn(16, 30000, generator=g).to(cuda))
     graph.replay()
     assert torch.equal(out, indexer_topk(logits, 2048, starts, ends, backend="reference"))
+
+
+RAW_OP_CASES = """
+logits = torch.randn(4, 300, device=cuda)
+ends = torch.full((4,), 300, dtype=torch.int32, device=cuda)
+starts = torch.zeros_like(ends)
+out = torch.empty(4, 64, dtype=torch.int32, device=cuda)
+CASES = [
+    ("logits must be a CUDA fp32", (logits.half(), starts, ends, 64, True, out, stream)),
+    ("topk must be in [1, ", (logits, starts, ends, 0, True, out, stream)),
+    ("starts must be a Int tensor of 4 rows", (logits, starts.long(), ends, 64, True, out, stream)),
+    ("ends must be a Int tensor of 4 rows", (logits, starts, ends[:3], 64, True, out, stream)),
+    ("out must be [4, 32]", (logits, starts, ends, 32, True, out, stream))]
+"""
+
+
+@pytest.mark.gpu
+def test_the_raw_op_refuses_bad_arguments_with_their_names():
+    """The C++ op's own checks, which print numbers and shapes (see native.py on libstdc++)."""
+    assert_raw_op_refuses("flashdsa.runtime.indexer.cuda", "topk", "torch.ops.flashdsa.indexer_topk_cuda",
+                          RAW_OP_CASES)
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ missing toolchain makes the cuda backend unavailable with its reason (once, not 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,11 @@ def test_cuda_decode_is_registered_but_only_runs_when_forced(monkeypatch):
     indices = torch.zeros(1, 1, 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="backend 'cuda' cannot run sparse_mla_decode: cuda needs a CUDA device"):
         sparse_mla_decode(q, cache, indices, 0.1, backend="cuda")
+
+
+def test_extensions_link_the_cpp_runtime_torch_runs_on():
+    """torch has loaded libstdc++; the build links that file by path, so a compiler that links
+    libstdc++ statically cannot give the extension a private, uninitialized copy."""
+    runtime = native.loaded_libstdcxx()
+    assert runtime is not None and Path(runtime).name.startswith("libstdc++.so") and Path(runtime).is_file()
+    assert native._link_flags() == [runtime]
