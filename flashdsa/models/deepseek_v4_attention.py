@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, rope_tail, visible_entries
+from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from flashdsa.models.hyper_connections import RMSNorm, rms_normalize
-from flashdsa.models.rope import Rotary
+from flashdsa.models.rope import RopeAt, Rotary
 
 QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
 
@@ -67,14 +67,16 @@ def sink_probabilities(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
 
 
 class RopeTable:
-    """The RoPE angles of one rope type: ``table(positions [S]) -> (cos, sin)`` each ``[S, R/2]`` fp32
-    (the frequencies copied to a device once: a copy per call would be a host sync on a GPU)."""
+    """One rope type of the model: ``table(positions [S], fused) -> RopeAt``, whose ``rotate_tail``
+    turns a head's trailing RoPE dims (the frequencies copied to a device once: a copy per call
+    would be a host sync on a GPU). ``fused`` (production inference) rotates in place with one
+    kernel; else the differentiable torch expressions (reference mode, training)."""
 
     def __init__(self, rotary: Rotary):
         self.rotary = rotary
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary.at(positions).cos_sin
+    def __call__(self, positions: torch.Tensor, fused: bool = False) -> RopeAt:
+        return self.rotary.at(positions, fused)
 
 
 @dataclass
@@ -128,8 +130,8 @@ class DeepseekV4Attention(nn.Module):
         ones ``state`` holds) -> ``[S, hidden]``; ``state`` is updated. ``rope`` is this layer's
         RoPE (sliding: main, CSA/HCA: compress), ``compress_rope`` the compressors'."""
         tokens = x.shape[0]
-        cos, sin = rope(positions)
-        q_residual, q, kv = self.project(x, cos, sin)
+        rope_at = rope(positions)
+        q_residual, q, kv = self.project(x, rope_at)
         rows = kv if state.window is None else torch.cat([state.window, kv])
         first = positions[0] - (rows.shape[0] - tokens)  # position of rows[0]
         state.window = rows[rows.shape[0] - min(rows.shape[0], self.window - 1):]
@@ -146,16 +148,16 @@ class DeepseekV4Attention(nn.Module):
                 picked = torch.where(entry[None, :] < visible_entries(positions, self.ratio)[:, None], entry, -1)
             indices = torch.cat([indices, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
             pool = torch.cat([rows, entries])
-        return self.output(sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5), cos, sin)
+        return self.output(sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5), rope_at)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x: [T, hidden]`` with its RoPE angles -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
+    def project(self, x: torch.Tensor, rope_at: RopeAt):
+        """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
         kv ``[T, D]``), q and kv RoPE'd."""
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = rms_normalize(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), self.eps)
-        return q_residual, rope_tail(q, cos, sin), rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return q_residual, rope_at.rotate_tail(q), rope_at.rotate_tail(self.kv_norm(self.kv_proj(x)))
 
-    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def output(self, out: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Attention output ``[T, H, D]`` -> ``[T, hidden]``: RoPE dims rotated back, grouped projection."""
-        out = rope_tail(out, cos, -sin)
+        out = rope_at.rotate_tail(out, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.view(out.shape[0], self.o_groups, -1)))

@@ -22,14 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashdsa.models.hyper_connections import RMSNorm
-from flashdsa.runtime.rope import rotate
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x: [T, ..., D]`` with its trailing ``R = 2 * cos.shape[1]`` dims rotated as interleaved pairs
-    (V4 lays a head out as ``[nope | rope]``); ``cos, sin: [T, R/2]`` fp32. Pass ``-sin`` to undo."""
-    dims = 2 * cos.shape[1]
-    return torch.cat([x[..., :-dims], rotate(x[..., -dims:], cos, sin, True)], dim=-1)
+from flashdsa.models.rope import RopeAt
 
 
 @dataclass
@@ -61,9 +54,9 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, state: CompressorState, cos_sin) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: CompressorState, rope) -> torch.Tensor:
         """Feed tokens ``x: [S, hidden]`` (the next ones of the sequence) and return every entry so
-        far, ``[N, head_dim]``. ``cos_sin(positions)`` gives the RoPE angles of window starts."""
+        far, ``[N, head_dim]``. ``rope(positions)`` is the RoPE (a ``RopeAt``) of window starts."""
         m, d = self.ratio, self.head_dim
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         if state.pending_kv is not None:
@@ -80,7 +73,7 @@ class Compressor(nn.Module):
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         pooled = self.kv_norm((kv * weights).sum(dim=1))  # [windows, d]
         starts = torch.arange(windows, device=x.device) * m + state.count * m
-        entries = rope_tail(pooled, *cos_sin(starts))
+        entries = rope(starts).rotate_tail(pooled)
         state.entries = entries if state.entries is None else torch.cat([state.entries, entries])
         return state.entries
 
@@ -122,17 +115,17 @@ class Indexer(Compressor):
         self.choice = EntryChoice()
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, state: CompressorState,
-               cos_sin) -> torch.Tensor:
+               rope) -> torch.Tensor:
         """Top-k compressed entries for each query: ``[S, min(index_topk, N)]`` int64, -1 where fewer
         than k entries are visible. ``x: [S, hidden]``, ``q_residual: [S, q_lora_rank]``."""
-        keys = self(x, state, cos_sin)  # [N, head_dim]
-        q, weights = self.queries(x, q_residual, *cos_sin(positions))
+        keys = self(x, state, rope)  # [N, head_dim]
+        q, weights = self.queries(x, q_residual, rope(positions))
         return self.choice(select_topk(self.score(q, keys, weights), visible_entries(positions, self.ratio), self.topk))
 
-    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, rope_at: RopeAt):
         """``(q [S, heads, head_dim] RoPE'd, weights [S, heads] fp32)`` of the queries ``x: [S, hidden]``,
-        ``q_residual: [S, q_lora_rank]`` at RoPE angles ``cos, sin: [S, R/2]``."""
-        q = rope_tail(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), cos, sin)
+        ``q_residual: [S, q_lora_rank]`` with their RoPE ``rope_at``."""
+        q = rope_at.rotate_tail(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim))
         return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
 
     def score(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

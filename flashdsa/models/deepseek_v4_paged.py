@@ -29,9 +29,10 @@ import torch
 from flashdsa.models.caches import gather_rows, store_index_key, store_rows
 from flashdsa.models.deepseek_v4_attention import DeepseekV4Attention, RopeTable, sparse_sink_attention
 from flashdsa.models.deepseek_v4_caches import V4LayerCache, entry_slots
-from flashdsa.models.deepseek_v4_compressor import Compressor, Indexer, rope_tail, select_topk, visible_entries
+from flashdsa.models.deepseek_v4_compressor import Compressor, Indexer, select_topk, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA
 from flashdsa.models.indexer import KeyRanges, TopK, fp8_select
+from flashdsa.models.rope import RopeAt
 from flashdsa.runtime.cache import write_v4_cache
 from flashdsa.runtime.cache.layout_v4 import gather_v4
 from flashdsa.runtime.cache.pool import v4_pool
@@ -120,8 +121,8 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     """One layer's attention over a step: ``x: [T, hidden]`` (normed) -> ``[T, hidden]``; writes
     the step's rows, entries and states into ``cache``."""
     positions = plan.meta.positions
-    cos, sin = ropes["compress" if attn.ratio else "main"](positions)
-    q_residual, q, kv = attn.project(x, cos, sin)
+    rope_at = ropes["compress" if attn.ratio else "main"](positions, fused=plan.production)
+    q_residual, q, kv = attn.project(x, rope_at)
     window = plan.window_pool(cache.window, kv)
     picked = lengths = None
     if attn.ratio:
@@ -129,7 +130,7 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
         if attn.layer_type == CSA:
             indexer = attn.compressor.indexer
             compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
-            picked = select_entries(indexer, x, q_residual, plan, cache.index, cos, sin)
+            picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
         elif plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
             visible = visible_entries(positions, attn.ratio)
             entry = torch.arange(plan.meta.max_context_len // attn.ratio, device=x.device)
@@ -138,7 +139,7 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     main = None if picked is None else (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
     out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan, lengths)
     plan.store_window(cache.window, kv)
-    return attn.output(out, cos, sin)
+    return attn.output(out, rope_at)
 
 
 def attend(q: torch.Tensor, window: torch.Tensor, window_rows: torch.Tensor, main: tuple | None, sinks: torch.Tensor,
@@ -184,17 +185,17 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
             owners.append(torch.full_like(ids[-1], b))
         pooled, ids, owners = torch.cat(pooled), torch.cat(ids), torch.cat(owners)
         state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
-    entries = rope_tail(module.kv_norm(pooled.to(x.dtype)), *rope(ids.clamp_min(0) * ratio))
+    entries = rope(ids.clamp_min(0) * ratio, fused=plan.production).rotate_tail(module.kv_norm(pooled.to(x.dtype)))
     slots = entry_slots(ids[:, None], meta.block_tables.long()[owners], ratio)[:, 0]
     (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, slots)
 
 
 def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded; ``cos, sin``: the
-    queries' RoPE angles (the layer's own: CSA rotates with the compressed RoPE)."""
+                   rope_at: RopeAt) -> torch.Tensor:
+    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded; ``rope_at``: the
+    queries' RoPE (the layer's own: CSA rotates with the compressed RoPE)."""
     meta, ratio, k = plan.meta, indexer.ratio, indexer.topk
-    q, weights = indexer.queries(x, q_residual, cos, sin)
+    q, weights = indexer.queries(x, q_residual, rope_at)
     visible = visible_entries(meta.positions, ratio)
     if pool.dtype == torch.uint8:
         lengths = [n // ratio for n in meta.context_lens_host]

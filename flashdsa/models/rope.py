@@ -80,3 +80,16 @@ class RopeAt:
             apply_rope_(q, k, self.positions, self.inv_freq, self.attention_factor, interleaved)
             return q, k
         return rotate(q, *self.cos_sin, interleaved), rotate(k, *self.cos_sin, interleaved)
+
+    def rotate_tail(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x: [T, ..., D]`` with its trailing ``R`` dims rotated as interleaved pairs (DeepSeek-V4 lays
+        a head out as ``[nope | rope]``); ``inverse`` turns them back. Fused: in place, one kernel
+        (x is returned); else a new tensor."""
+        dims = 2 * self.inv_freq.shape[0]
+        if self.fused:
+            if x.numel():
+                apply_rope_(x.view(x.shape[0], -1, x.shape[-1])[..., -dims:], None, self.positions, self.inv_freq,
+                            self.attention_factor, True, inverse=inverse)
+            return x
+        cos, sin = self.cos_sin
+        return torch.cat([x[..., :-dims], rotate(x[..., -dims:], cos, -sin if inverse else sin, True)], dim=-1)

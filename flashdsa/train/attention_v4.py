@@ -32,6 +32,7 @@ from flashdsa.models.deepseek_v4_attention import (QUERY_CHUNK, DeepseekV4Attent
                                                    sparse_sink_attention)
 from flashdsa.models.deepseek_v4_compressor import CompressorState, select_topk, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA
+from flashdsa.models.rope import RopeAt
 from flashdsa.train.indexer import SELECT_CHUNK
 from flashdsa.train.losses import indexer_kl
 
@@ -39,14 +40,14 @@ from flashdsa.train.losses import indexer_kl
 @dataclass
 class V4Step:
     """What every attention block of one training forward needs: batch B, length L, each token's
-    position and sequence ``[T]``, each rope's table and angles ``(cos, sin) [T, R/2]``, the mode."""
+    position and sequence ``[T]``, each rope's table and its RoPE at the positions, the mode."""
 
     batch: int
     length: int
     positions: torch.Tensor
     sequence: torch.Tensor
     ropes: dict[str, RopeTable]
-    angles: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    angles: dict[str, RopeAt]
     attention: str  # "dense" or "sparse" (CSA layers only)
     indexer_loss: bool
 
@@ -54,8 +55,8 @@ class V4Step:
 def v4_attention(attn: DeepseekV4Attention, x: torch.Tensor, step: V4Step) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One attention block over ``x: [T, hidden]`` -> ``([T, hidden], indexer KL scalar or None)``
     (None unless a CSA block with ``step.indexer_loss``)."""
-    cos, sin = step.angles["compress" if attn.ratio else "main"]
-    q_residual, q, kv = attn.project(x, cos, sin)
+    rope_at = step.angles["compress" if attn.ratio else "main"]
+    q_residual, q, kv = attn.project(x, rope_at)
     indices, pool, kl = _window(attn.window, step), kv, None
     if attn.ratio:
         B, L = step.batch, step.length
@@ -72,7 +73,7 @@ def v4_attention(attn: DeepseekV4Attention, x: torch.Tensor, step: V4Step) -> tu
         pool = torch.cat([kv, entries])
         if scores is not None and step.indexer_loss:
             kl = _indexer_kl(attn, q, pool, indices, picked, scores)
-    return attn.output(_attend(q, pool, indices, attn.sinks, attn.head_dim**-0.5), cos, sin), kl
+    return attn.output(_attend(q, pool, indices, attn.sinks, attn.head_dim**-0.5), rope_at), kl
 
 
 def _window(window: int, step: V4Step) -> torch.Tensor:
@@ -89,7 +90,7 @@ def _index(attn: DeepseekV4Attention, x: torch.Tensor, q_residual: torch.Tensor,
     the candidates ``[T, K]``: every visible entry (dense) or the top-k (sparse), -1 invalid)."""
     indexer, B, L = attn.compressor.indexer, step.batch, step.length
     keys = [indexer(seq, CompressorState(), step.ropes["compress"]) for seq in x.view(B, L, -1)]  # B x [N, D_I]
-    q, w = indexer.queries(x, q_residual, *step.angles["compress"])  # [T, H_I, D_I], [T, H_I]
+    q, w = indexer.queries(x, q_residual, step.angles["compress"])  # [T, H_I, D_I], [T, H_I]
     per_sequence = list(zip(q.view(B, L, *q.shape[1:]), keys, w.view(B, L, -1), visible.view(B, L)))
     if step.attention == "dense":  # [T, N], differentiable
         return torch.cat([indexer.score(qb, kb, wb) for qb, kb, wb, _ in per_sequence]), picked

@@ -21,8 +21,9 @@ def inputs(tokens, heads, dim, rot, device, dtype, g):
     return q, k, positions, inv_freq
 
 
-def expected(x, positions, inv_freq, factor, interleaved):
+def expected(x, positions, inv_freq, factor, interleaved, inverse=False):
     cos, sin = cos_sin(positions, inv_freq, factor)
+    sin = -sin if inverse else sin
     rot = 2 * inv_freq.shape[0]
     rope = rope_interleaved if interleaved else rope_rotate_half
     return torch.cat([rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
@@ -31,11 +32,14 @@ def expected(x, positions, inv_freq, factor, interleaved):
 def check_against_reference(device: str, dtype: torch.dtype, exact: bool) -> None:
     g = torch.Generator().manual_seed(0)
     for tokens, heads, dim, rot in CASES:
-        for interleaved in (True, False):
+        for interleaved, alone in ((True, False), (False, False), (True, True)):
             q, k, positions, inv_freq = inputs(tokens, heads, dim, rot, device, dtype, g)
             factor = 1.0 if interleaved else 0.7071
-            want_q, want_k = (expected(x, positions, inv_freq, factor, interleaved) for x in (q, k))
-            apply_rope_(q, k, positions, inv_freq, factor, interleaved, backend="triton")
+            # alone: q without k, rotated back (inverse); k must stay as it is
+            want_q = expected(q, positions, inv_freq, factor, interleaved, inverse=alone)
+            want_k = k.clone() if alone else expected(k, positions, inv_freq, factor, interleaved)
+            apply_rope_(q, None if alone else k, positions, inv_freq, factor, interleaved, inverse=alone,
+                        backend="triton")
             for got, want in ((q, want_q), (k, want_k)):
                 if exact:  # one rounding of a*c - b*s where torch rounds three times: within an ulp
                     ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
@@ -50,6 +54,16 @@ def test_reference_rotates_in_place_like_the_model_expressions():
     want_q, want_k = expected(q, positions, inv_freq, 1.5, False), expected(k, positions, inv_freq, 1.5, False)
     apply_rope_(q, k, positions, inv_freq, 1.5, False, backend="reference")
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_inverse_undoes_the_rotation_and_k_may_be_left_out():
+    g = torch.Generator().manual_seed(2)
+    q, _, positions, inv_freq = inputs(3, 4, 128, 64, "cpu", torch.float32, g)
+    original = q.clone()
+    apply_rope_(q, None, positions, inv_freq, 1.0, True, backend="reference")
+    assert not torch.allclose(q, original)
+    apply_rope_(q, None, positions, inv_freq, 1.0, True, inverse=True, backend="reference")
+    torch.testing.assert_close(q, original, rtol=1e-5, atol=1e-5)
 
 
 def test_pairs_are_rotated_by_position_times_frequency():
@@ -67,7 +81,8 @@ def test_pairs_are_rotated_by_position_times_frequency():
     (dict(positions=torch.ones(3, dtype=torch.int64)), "positions must be"),
     (dict(inv_freq=torch.ones(33)), "inv_freq must be"), (dict(inv_freq=torch.ones(32).double()), "inv_freq must be"),
     (dict(q=torch.ones(2, 64, 3).transpose(1, 2)), "q must have a contiguous last dim"),
-    (dict(attention_factor=float("nan")), "attention_factor must be"), (dict(interleaved=1), "interleaved must be")])
+    (dict(attention_factor=float("nan")), "attention_factor must be"), (dict(interleaved=1), "interleaved must be"),
+    (dict(inverse=None), "inverse must be")])
 def test_bad_arguments_name_themselves(bad, message):
     args = dict(q=torch.ones(2, 3, 64), k=torch.ones(2, 64), positions=torch.zeros(2, dtype=torch.int64),
                 inv_freq=torch.ones(32), attention_factor=1.0, interleaved=True) | bad

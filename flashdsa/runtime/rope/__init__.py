@@ -37,12 +37,15 @@ dispatch.register("apply_rope_", "reference", f"{__name__}.reference:apply_rope_
 dispatch.register("apply_rope_", "triton", f"{__name__}.triton.rope:apply_rope_", _triton_supports)
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_factor: float, interleaved: bool, *, backend: Optional[str] = None) -> None:
+def apply_rope_(q: torch.Tensor, k: Optional[torch.Tensor], positions: torch.Tensor, inv_freq: torch.Tensor,
+                attention_factor: float, interleaved: bool, *, inverse: bool = False,
+                backend: Optional[str] = None) -> None:
     """Rotate q and k in place; graph-capturable (no host sync).
 
-    q: [T, H, D] bf16/fp16/fp32, k: [T, D] of q's dtype; rows and heads may be strided (views of a
-    fused projection), the last dim contiguous; q and k must not overlap.
+    q: [T, H, D] bf16/fp16/fp32, k: [T, D] of q's dtype or None (q alone); rows and heads may be
+    strided (views of a fused projection, or of a wider head's trailing dims), the last dim
+    contiguous; q and k must not overlap. ``inverse`` rotates by the negated angles (undoes a
+    rotation: V4 turns its attention output back).
     positions: [T] int32/int64, each token's position; inv_freq: [R/2] fp32 with R <= D.
     attention_factor: finite float multiplying cos and sin (YaRN's mscale ratio, else 1.0).
     interleaved: True rotates pairs (x[2i], x[2i+1]) (MLA), False pairs (x[i], x[i + R/2]).
@@ -50,8 +53,9 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_f
     """
     check_tensor("q", q, FLOAT_DTYPES, [None, None, None], "bf16/fp16/fp32 [T, H, D]", contiguous=False)
     tokens, _, dim = q.shape
-    check_tensor("k", k, q.dtype, [tokens, dim], f"[T={tokens}, D={dim}] of q's dtype", q.device, contiguous=False)
-    for name, t in (("q", q), ("k", k)):
+    if k is not None:
+        check_tensor("k", k, q.dtype, [tokens, dim], f"[T={tokens}, D={dim}] of q's dtype", q.device, contiguous=False)
+    for name, t in (("q", q), ("k", k if k is not None else q)):
         check(t.numel() == 0 or t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {t.stride()}")
     check_tensor("positions", positions, (torch.int32, torch.int64), [tokens], f"int32/int64 [T={tokens}]", q.device)
     check_tensor("inv_freq", inv_freq, torch.float32, [None], f"fp32 [R/2] with R <= D={dim}", q.device)
@@ -61,5 +65,6 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_f
     check(is_number and math.isfinite(attention_factor),
           f"attention_factor must be a finite number, got {attention_factor!r}")
     check(isinstance(interleaved, bool), f"interleaved must be a bool, got {interleaved!r}")
+    check(isinstance(inverse, bool), f"inverse must be a bool, got {inverse!r}")
     impl = dispatch.select("apply_rope_", q.device, backend, half=inv_freq.shape[0])
-    impl(q, k, positions, inv_freq, float(attention_factor), interleaved)
+    impl(q, k, positions, inv_freq, float(attention_factor), interleaved, inverse)

@@ -45,8 +45,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     return torch.cat([rope(rot, cos, sin), rest], dim=-1)
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_factor: float, interleaved: bool) -> None:
+def apply_rope_(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
+                attention_factor: float, interleaved: bool, inverse: bool = False) -> None:
     cos, sin = cos_sin(positions, inv_freq, attention_factor)
-    for x in (q, k):
-        x.copy_(rotate(x, cos, sin, interleaved))
+    for x in (q,) if k is None else (q, k):
+        x.copy_(rotate(x, cos, -sin if inverse else sin, interleaved))

@@ -29,7 +29,8 @@ def _rotate_pairs(ptr, first, second, cos, sin, mask):
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, attention_factor, heads, stride_qt, stride_qh, stride_kt,
-                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, HAS_K: tl.constexpr,
+                 INVERSE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -37,6 +38,8 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, attention_factor, heads, strid
     dtype = q_ptr.dtype.element_ty
     cos = (tl.cos(angle) * attention_factor).to(dtype).to(tl.float32)  # in x's dtype, as torch casts it
     sin = (tl.sin(angle) * attention_factor).to(dtype).to(tl.float32)
+    if INVERSE:  # the negated angle: cos as it is, sin negated (exact, as torch's -sin is)
+        sin = -sin
     if INTERLEAVED:
         first, second = 2 * i, 2 * i + 1
     else:
@@ -44,16 +47,18 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, freq_ptr, attention_factor, heads, strid
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     rows = q_ptr + t * stride_qt + h[:, None].to(tl.int64) * stride_qh
     _rotate_pairs(rows, first[None, :], second[None, :], cos[None, :], sin[None, :], h[:, None] < heads)
-    if head_block == 0:
+    if HAS_K and head_block == 0:
         _rotate_pairs(k_ptr + t * stride_kt, first, second, cos, sin, i < HALF)
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                attention_factor: float, interleaved: bool) -> None:
+def apply_rope_(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, inv_freq: torch.Tensor,
+                attention_factor: float, interleaved: bool, inverse: bool = False) -> None:
     tokens, heads, _ = q.shape
     if tokens == 0:
         return
     block_h = min(triton.next_power_of_2(heads), MAX_BLOCK_H)
     grid = (tokens, triton.cdiv(heads, block_h))
-    _rope_kernel[grid](q, k, positions, inv_freq, float(attention_factor), heads, q.stride(0), q.stride(1), k.stride(0),
-                       HALF=inv_freq.shape[0], INTERLEAVED=interleaved, BLOCK_H=block_h, num_warps=2)
+    k_arg = q if k is None else k  # never read without HAS_K
+    _rope_kernel[grid](q, k_arg, positions, inv_freq, float(attention_factor), heads, q.stride(0), q.stride(1),
+                       k_arg.stride(0), HALF=inv_freq.shape[0], INTERLEAVED=interleaved, BLOCK_H=block_h,
+                       HAS_K=k is not None, INVERSE=inverse, num_warps=2)
