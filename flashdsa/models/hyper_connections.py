@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from flashdsa.runtime.hyper import hc_head, hc_post, hc_pre, rms_normalize
+from flashdsa.runtime.norm import rms_norm
 
 __all__ = ["RMSNorm", "HyperConnection", "HyperHead", "rms_normalize"]
 
@@ -23,7 +24,8 @@ def _backend(*tensors: torch.Tensor) -> str | None:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an fp32 weight: normalize in fp32, multiply in fp32, cast once at the end."""
+    """RMSNorm with an fp32 weight: normalize in fp32, multiply in fp32, cast once at the end. Without
+    autograd, one fused kernel (``runtime.norm.rms_norm``'s ``fp32_product``; ~8 torch kernels else)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -31,6 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _backend(x, self.weight) is None and x.dtype != torch.float64:
+            y, _ = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, float(self.eps), fp32_product=True)
+            return y.view(x.shape)
         h = x.float()
         h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)

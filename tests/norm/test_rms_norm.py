@@ -19,9 +19,10 @@ def check_against_reference(device: str, dtype: torch.dtype) -> None:
         x = wide[:, :dim]  # strided rows, as the model's c_kv view
         weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(device, dtype)
         residual = torch.randn(rows, dim, generator=g).to(device, dtype)
-        for res in (None, residual):
-            got_y, got_h = rms_norm(x, weight, 1e-6, res, backend="triton")
-            ref_y, ref_h = rms_norm(x, weight, 1e-6, res, backend="reference")
+        for res, fp32_product in ((None, False), (residual, False), (None, True), (residual, True)):
+            w = weight.float() if fp32_product else weight  # DeepSeek-V4: an fp32 weight on bf16 rows
+            got_y, got_h = rms_norm(x, w, 1e-6, res, fp32_product=fp32_product, backend="triton")
+            ref_y, ref_h = rms_norm(x, w, 1e-6, res, fp32_product=fp32_product, backend="reference")
             assert got_y.dtype == dtype and got_y.shape == (rows, dim)
             # the same roundings; only the fp32 mean's summation order differs: one ulp at most
             torch.testing.assert_close(got_y, ref_y, rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
@@ -41,9 +42,23 @@ def test_reference_is_hugging_face_rmsnorm():
     assert torch.equal(h, x + x) and torch.equal(y, rms_norm(x + x, w, 1e-6)[0])
 
 
+def test_fp32_product_is_deepseek_v4s_rmsnorm():
+    from flashdsa.models.hyper_connections import RMSNorm
+
+    norm = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(16))
+    x = torch.randn(3, 16).bfloat16()
+    y, _ = rms_norm(x, norm.weight.detach(), 1e-6, fp32_product=True, backend="reference")
+    xf = x.float()
+    want = (norm.weight.detach() * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6))).to(x.dtype)
+    assert torch.equal(y, want) and torch.equal(norm(x), want)
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(weight=torch.ones(8)), "weight must be"), (dict(eps=0.0), "eps must be"),
-    (dict(residual=torch.ones(2, 16)), "residual must be"), (dict(x=torch.ones(4, 16, dtype=torch.int32)), "x must be")])
+    (dict(residual=torch.ones(2, 16)), "residual must be"), (dict(x=torch.ones(4, 16, dtype=torch.int32)), "x must be"),
+    (dict(fp32_product=1), "fp32_product must be")])
 def test_bad_arguments_name_themselves(bad, message):
     args = dict(x=torch.ones(4, 16), weight=torch.ones(16), eps=1e-6, residual=None) | bad
     with pytest.raises(ValueError, match=message):

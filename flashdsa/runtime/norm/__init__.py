@@ -2,7 +2,8 @@
 
 ``rms_norm(x, weight, eps, residual)`` computes, row by row, ``h = x + residual`` (when given,
 rounded to x's dtype) and ``y = weight * (h * rsqrt(mean(h^2) + eps))`` with the normalized value
-rounded to x's dtype before the weight multiplies it, as Hugging Face's DeepSeek RMSNorm does. One
+rounded to x's dtype before the weight multiplies it, as Hugging Face's DeepSeek RMSNorm does (or,
+with ``fp32_product``, DeepSeek-V4's: an fp32 weight times the fp32 normalized value, rounded once). One
 kernel replaces the ~8 elementwise and reduction kernels of the torch expression, which matters in
 a decode step (each layer runs four norms) and in its CUDA graph's launch cost.
 
@@ -24,10 +25,11 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # 
 
 
 
-def _triton_supports(same_dtype: bool = True, dtype: torch.dtype = torch.bfloat16, **_) -> Optional[str]:
+def _triton_supports(same_dtype: bool = True, dtype: torch.dtype = torch.bfloat16, fp32_product: bool = False,
+                     **_) -> Optional[str]:
     if dtype == torch.float64:
         return "triton rms_norm takes bf16/fp16/fp32"
-    return None if same_dtype else "triton rms_norm takes a weight of x's dtype"
+    return None if same_dtype or fp32_product else "triton rms_norm takes a weight of x's dtype"
 
 
 dispatch.register("rms_norm", "reference", f"{__name__}.reference:rms_norm")
@@ -35,11 +37,12 @@ dispatch.register("rms_norm", "triton", f"{__name__}.triton.rms_norm:rms_norm", 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None, *,
-             backend: Optional[str] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             fp32_product: bool = False, backend: Optional[str] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x: [T, D] bf16/fp16/fp32/fp64 (rows may be strided, last dim contiguous); weight: [D] float
     (another dtype than x's: reference backend, the result then in the promoted dtype, as torch
-    computes it); eps: float > 0; residual: optional [T, D] of x's dtype. Returns ``(y, h)``: y
-    [T, D] and h = x + residual [T, D] (None without a residual)."""
+    computes it); eps: float > 0; residual: optional [T, D] of x's dtype; fp32_product: y =
+    ``(weight * normalized).to(x.dtype)`` in fp32 (DeepSeek-V4; y always in x's dtype). Returns
+    ``(y, h)``: y [T, D] and h = x + residual [T, D] (None without a residual)."""
     check_tensor("x", x, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32/fp64 [T, D]", contiguous=False)
     check(x.shape[0] == 0 or x.stride(-1) == 1, f"x must have a contiguous last dim, got strides {x.stride()}")
     rows, dim = x.shape
@@ -47,5 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     check(isinstance(eps, float) and eps > 0, f"eps must be a float > 0, got {eps!r}")
     if residual is not None:
         check_tensor("residual", residual, x.dtype, [rows, dim], f"[T={rows}, D={dim}] like x", x.device)
-    impl = dispatch.select("rms_norm", x.device, backend, same_dtype=weight.dtype == x.dtype, dtype=x.dtype)
-    return impl(x, weight, eps, residual)
+    check(isinstance(fp32_product, bool), f"fp32_product must be a bool, got {fp32_product!r}")
+    impl = dispatch.select("rms_norm", x.device, backend, same_dtype=weight.dtype == x.dtype, dtype=x.dtype,
+                           fp32_product=fp32_product)
+    return impl(x, weight, eps, residual, fp32_product)
