@@ -29,8 +29,8 @@ def forwards(model) -> tuple[Callable, Callable, Callable]:
 
 
 def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.Module:
-    """The fp32 model of the checkpoint ``path`` (either architecture), with its MTP layer when
-    ``mtp`` (None: when the checkpoint has one)."""
+    """The fp32 model of the checkpoint ``path`` (either architecture; FP8 weights dequantized),
+    with its MTP layer when ``mtp`` (None: when the checkpoint has one)."""
     from flashdsa.models.config import DeepseekV32Config
     from flashdsa.models.deepseek_v4_loader import load_v4_model
     from flashdsa.models.loader import load_model
@@ -41,7 +41,7 @@ def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.M
         mtp = config.num_nextn_predict_layers > 0
     if v4:
         return load_v4_model(path, device, torch.float32, mtp=mtp)
-    return load_model(path, device=device, mode="reference", mtp=mtp)
+    return load_model(path, device=device, mode="reference", mtp=mtp, keep_fp8=False)
 
 
 def add_mtp_layer(model) -> torch.nn.Module:
