@@ -78,10 +78,15 @@ def export_v4(model: DeepseekV4ForCausalLM, weights: dict[str, torch.Tensor],
 
 
 def skeleton(model) -> torch.nn.Module:
-    """A weightless (meta) copy of ``model``, for applying its state-dict hooks to gathered tensors."""
+    """A weightless (meta) copy of ``model`` (with its MTP layer), for applying its state-dict hooks
+    to gathered tensors."""
+    from flashdsa.models import mtp
     from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 
     with torch.device("meta"):
         if is_v4(model):
             return DeepseekV4ForCausalLM(model.config, torch.float32, len(model.mtp))
-        return DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
+        weightless = DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
+    if model.has_mtp:
+        mtp.add_mtp_layer(weightless)
+    return weightless

@@ -52,3 +52,22 @@ def test_two_ranks_match_one_process(checkpoint, seq_len, tolerance, corpus, tmp
         assert (sharded[name].float() - tensor.float()).abs().max() <= 1e-2 * tensor.float().abs().max() + 1e-6, name
     assert (tmp_path / "two" / "loss.png").is_file()
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [f"step-{STEPS:06d}"]
+
+
+def test_two_ranks_resume_with_a_fresh_mtp_layer_like_one_process(tiny_model_dir, corpus, tmp_path):
+    """A 2-rank run that adds an MTP layer, stops after its first step (time limit) and resumes
+    from its checkpoint (each rank loading its shards of it) follows the one-process run."""
+    args = [*finetune_args(tiny_model_dir, corpus, tmp_path / "one", 32), "--add-mtp-layer"]
+    assert main(args) == 0
+    two = [*finetune_args(tiny_model_dir, corpus, tmp_path / "two", 32), "--add-mtp-layer"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "flashdsa"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra in (["--time-limit", "1e-6"], ["--resume"]):
+        run = subprocess.run([*command, *two, *extra], capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from" in run.stdout and "step-000001" in run.stdout
+    one, resumed = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(resumed) == STEPS and "mtp_loss" in json.loads((tmp_path / "two" / "log.jsonl").read_text().splitlines()[-1])
+    for a, b in zip(one, resumed):
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=TOLERANCE), key
