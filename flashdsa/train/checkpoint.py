@@ -141,7 +141,9 @@ def save_training_checkpoint(
 
 
 def load_training_state(path: str | Path) -> dict:
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    """The trainer state of checkpoint ``path``, its tensors memory-mapped (copy-on-write): a page
+    is read when used, so each FSDP rank reads only its rows of the optimizer state."""
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=False, mmap=True)
 
 
 def load_latest_checkpoint(output_dir: str | Path, load: Callable[[Path], torch.nn.Module]

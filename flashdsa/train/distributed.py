@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flashdsa.train.architecture import forwards, skeleton
@@ -116,8 +116,8 @@ class World:
         return {"state": state, "param_groups": groups} if self.is_main else {"state": {}}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``): each
-        tensor is cut to this rank's shard of its parameter."""
+        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``, memory-mapped
+        by ``checkpoint.load_training_state``): each tensor is cut to this rank's rows of its parameter."""
         _reshard(model)
         params = dict(model.named_parameters())
         index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
@@ -169,9 +169,12 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` cut like ``param`` (this rank's shard when ``param`` is a DTensor)."""
+    """``full`` cut like ``param``: when ``param`` is a DTensor, this rank's rows of it, copied out
+    locally (of a memory-mapped ``full`` only those rows are read; no collective)."""
     if isinstance(param, DTensor):
-        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+        _, start, stop = own_rows(param)
+        return DTensor.from_local(full[start:stop].to(param.device, copy=True), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
     return full
 
 

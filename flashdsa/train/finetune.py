@@ -9,7 +9,8 @@ writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (res
     torchrun --nproc-per-node N -m flashdsa finetune ...
 
 trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
-batch, checkpoints and outputs as one process; rank 0 writes every file.
+batch, checkpoints and outputs as one process; each rank reads only its shards of a V3.2 checkpoint
+(``flashdsa.train.sharded_load``); rank 0 writes every file.
 A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
 gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``model_type``
 ``deepseek_v4``) trains through the same stages, its CSA indexers over the compressed entries
