@@ -51,78 +51,102 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``w: [m, n]`` e4m3 with ``scale_inv: [ceil(m/bm), ceil(n/bn)]`` fp32 -> fp32 ``[m, n]``."""
+def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                      start: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """``w: [m, n]`` e4m3, the part of a weight whose first element is at row/column ``start``, with
+    ``scale_inv``, the fp32 128x128 block scales covering it (``[ceil(m/bm), ceil(n/bn)]`` from
+    ``start`` 0) -> fp32 ``[m, n]``: element (r, c) of the weight is scaled by block (r // bm, c // bn),
+    so a part equals the same rows/columns of the whole weight dequantized, bit for bit."""
     m, n = w.shape
     bm, bn = block
-    expected = (-(-m // bm), -(-n // bn))
+    r0, c0 = start[0] % bm, start[1] % bn  # where the part starts inside its first block
+    expected = (-(-(r0 + m) // bm), -(-(c0 + n) // bn))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"scale_inv for a {list(w.shape)} weight must be {list(expected)}, got {list(scale_inv.shape)}")
-    scale = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+        raise ValueError(f"scale_inv for a {list(w.shape)} weight at {list(start)} must be {list(expected)}, got "
+                         f"{list(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(bm, 0)[r0:r0 + m].repeat_interleave(bn, 1)[:, c0:c0 + n]
     return w.float() * scale
 
 
-def _along(dim: int, rows: slice) -> tuple[slice, slice]:
-    """The index of ``rows`` along dimension ``dim`` of a 2-D tensor."""
-    return (rows, slice(None)) if dim == 0 else (slice(None), rows)
+def _along(dim: int, rows: slice) -> tuple[slice, ...]:
+    """The index of ``rows`` along dimension ``dim`` (the dimensions before it whole)."""
+    return (slice(None),) * dim + (rows,)
 
 
 def _read_slice(f, name: str, at: Placement, scale_of=None, block: tuple[int, int] = (128, 128)):
-    """``(tensor, scale or None)``: the part ``at`` of tensor ``name`` of the open file ``f``. An e4m3
-    weight (``scale_of(index)`` reads its scale blocks) is cut on whole blocks with its scales;
-    a cut inside a block reads the blocks around it, dequantized, then trimmed (float, no scale)."""
+    """``(tensor, scale or None)``: the part ``at`` of tensor ``name`` of the open file ``f``, and no
+    other element of it. An e4m3 weight (``scale_of(index)`` reads its scale blocks) cut on whole
+    blocks comes with the scales of its blocks; cut inside a block it comes dequantized (float, no
+    scale), each element by its own block's scale."""
     part = f.get_slice(name)
     if at.dim is None:
         return part[:], None if scale_of is None else scale_of((slice(None), slice(None)))
-    b = block[at.dim]
-    lo, hi = at.start // b * b, min(-(-at.stop // b) * b, part.get_shape()[at.dim])
-    inner = _along(at.dim, slice(at.start - lo, at.stop - lo))
+    t = part[_along(at.dim, slice(at.start, at.stop))]
     if scale_of is None:
-        return part[_along(at.dim, slice(at.start, at.stop))], None
-    t, scale = part[_along(at.dim, slice(lo, hi))], scale_of(_along(at.dim, slice(lo // b, -(-hi // b))))
-    if (lo, hi) == (at.start, at.stop):
+        return t, None
+    b = block[at.dim]
+    scale = scale_of(_along(at.dim, slice(at.start // b, -(-at.stop // b))))
+    if at.start % b == 0 and (at.stop % b == 0 or at.stop == part.get_shape()[at.dim]):
         return t, scale
-    return dequantize_blocks(t, scale, block)[inner], None
+    return dequantize_blocks(t, scale, block, (at.start, 0) if at.dim == 0 else (0, at.start)), None
+
+
+class Checkpoint:
+    """The safetensors files of a DeepSeek-V3.2 checkpoint directory and where each tensor lies:
+    what every loader walks (whole, per tensor-parallel rank or per FSDP shard), one file at a time."""
+
+    def __init__(self, path: str | Path, config: DeepseekV32Config):
+        self.path, self.config = Path(path), config
+        self.files = checkpoint_files(self.path)
+        self.block = config.weight_block_size or (128, 128)
+        self.where: dict[str, Path] = {}  # tensor name -> file holding it
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                self.where.update((name, file) for name in f.keys())
+
+    def weights(self, mtp: bool = False, progress: bool = True):
+        """Yield ``(open file, checkpoint name, model's name)`` for every main-model weight (the
+        scales go with their weights); with ``mtp`` also the first MTP layer's (``model.mtp.*``).
+        Skipped tensors are logged once."""
+        config, skipped = self.config, 0
+        for file in tqdm(self.files, desc="loading shards", unit="file", leave=False, disable=not progress):
+            with safe_open(file, framework="pt") as f:
+                for name in sorted(f.keys()):
+                    layer = _LAYER.match(name)
+                    own = model_name(name, config) if mtp else name
+                    if own is None or (layer and int(layer.group(1)) >= config.num_hidden_layers and not mtp):
+                        skipped += 1
+                        continue
+                    if name.endswith(SCALE_SUFFIX):
+                        if name[: -len(SCALE_SUFFIX)] not in self.where:
+                            raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
+                        continue
+                    yield f, name, own
+        if skipped:
+            logger.info("skipped %d tensors of the multi-token-prediction layer(s)%s", skipped,
+                        " (copies of the embedding and lm_head, deeper MTP layers)" if mtp else " (not loaded)")
+
+    def read(self, f, name: str, at: Placement) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tensor, scale or None)``: the part ``at`` of weight ``name`` of the open file ``f``, an
+        e4m3 weight with the rows/columns of its block scales (see :func:`_read_slice`)."""
+        scale_of = None
+        if f.get_slice(name).get_dtype() == "F8_E4M3":
+            if name + SCALE_SUFFIX not in self.where:
+                raise ValueError(f"{self.where[name].name}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
+            scale_of = _scale_reader(self.where[name + SCALE_SUFFIX], name + SCALE_SUFFIX)
+        return _read_slice(f, name, at, scale_of, self.block)
 
 
 def read_raw_tensors(path: str | Path, config: DeepseekV32Config, shard: Shard = Shard(), mtp: bool = False):
     """Yield ``(name, tensor, scale_inv or None)`` for every main-model weight of the checkpoint, as
     stored (an e4m3 weight's scale may sit in another shard); with ``mtp`` also the first MTP
-    layer's, under the model's names (``model.mtp.*``). Skipped tensors are logged once.
+    layer's, under the model's names (``model.mtp.*``).
     With a ``shard``, only this rank's part of each tensor is read, under the model's name for it."""
-    path = Path(path)
-    files = checkpoint_files(path)
-    where = {}  # tensor name -> file holding it
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            where.update((name, file) for name in f.keys())
-    skipped = 0
-    block = config.weight_block_size or (128, 128)
-    for file in tqdm(files, desc="loading shards", unit="file", leave=False, disable=shard.rank != 0):
-        with safe_open(file, framework="pt") as f:
-            for name in sorted(f.keys()):
-                layer = _LAYER.match(name)
-                own = model_name(name, config) if mtp else name
-                if own is None or (layer and int(layer.group(1)) >= config.num_hidden_layers and not mtp):
-                    skipped += 1
-                    continue
-                if name.endswith(SCALE_SUFFIX):
-                    if name[: -len(SCALE_SUFFIX)] not in where:
-                        raise ValueError(f"{file.name}: {name} has no weight {name[: -len(SCALE_SUFFIX)]}")
-                    continue
-                at = placement(own, f.get_slice(name).get_shape(), shard, config.n_routed_experts)
-                if at is None:  # another rank's expert
-                    continue
-                scale_of = None
-                if f.get_slice(name).get_dtype() == "F8_E4M3":
-                    if name + SCALE_SUFFIX not in where:
-                        raise ValueError(f"{file.name}: FP8 tensor {name} has no {name + SCALE_SUFFIX}")
-                    scale_of = _scale_reader(where[name + SCALE_SUFFIX], name + SCALE_SUFFIX)
-                t, scale = _read_slice(f, name, at, scale_of, block)
-                yield at.name, t, scale
-    if skipped:
-        logger.info("skipped %d tensors of the multi-token-prediction layer(s)%s", skipped,
-                    " (copies of the embedding and lm_head, deeper MTP layers)" if mtp else " (not loaded)")
+    checkpoint = Checkpoint(path, config)
+    for f, name, own in checkpoint.weights(mtp, progress=shard.rank == 0):
+        at = placement(own, f.get_slice(name).get_shape(), shard, config.n_routed_experts)
+        if at is not None:  # None: another rank's expert
+            yield (at.name, *checkpoint.read(f, name, at))
 
 
 def _scale_reader(file: Path, name: str):
@@ -152,7 +176,7 @@ def checkpoint_is_fp8(path: Path) -> bool:
 
 
 @torch.no_grad()
-def _copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.Tensor, scale: torch.Tensor | None,
+def copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.Tensor, scale: torch.Tensor | None,
                  block: tuple[int, int]) -> None:
     """Write checkpoint tensor ``t`` (e4m3 with ``scale``, or float) into ``dest`` in its precision:
     e4m3 copied as is, a float weight quantized into an e4m3 destination, e4m3 dequantized into a
@@ -171,12 +195,13 @@ def _copy_weight(dest: torch.Tensor, dest_scale: torch.Tensor | None, t: torch.T
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", mode: str = "production", quantization: str | None = None,
-    shard: Shard = Shard(), mtp: bool = False,
+    shard: Shard = Shard(), mtp: bool = False, keep_fp8: bool = True,
 ) -> DeepseekV32ForCausalLM:
     """Build a :class:`DeepseekV32ForCausalLM` from the checkpoint directory ``path``; with ``mtp``
     also its multi-token-prediction layer (ValueError if the checkpoint has none).
 
-    FP8 checkpoints keep their e4m3 weights and scales (one byte a weight in memory); a bf16
+    FP8 checkpoints keep their e4m3 weights and scales (one byte a weight in memory) unless
+    ``keep_fp8`` is False (training: every weight dequantized to the mode's float); a bf16
     checkpoint is quantized to them at load with ``quantization="fp8"``. The weights stream one
     tensor at a time into the model's own storage on ``device``, so no second copy is ever held.
     With a ``shard`` (tensor/expert parallelism) only this rank's part is built and read.
@@ -187,7 +212,7 @@ def load_model(
     if mtp and config.num_nextn_predict_layers < 1:
         raise ValueError(f"checkpoint {path} has no multi-token-prediction layer (num_nextn_predict_layers 0): "
                          "train one with `flashdsa finetune --add-mtp-layer`")
-    if quantization is None and checkpoint_is_fp8(path):
+    if quantization is None and keep_fp8 and checkpoint_is_fp8(path):
         quantization = "fp8"
     with torch.device("meta"):
         model = DeepseekV32ForCausalLM(config, mode, quantization, shard)
@@ -206,8 +231,16 @@ def load_model(
         elif t.shape != dests[name].shape:
             misshaped.append(f"{name}: expected {list(dests[name].shape)}, got {list(t.shape)}")
         else:
-            _copy_weight(dests[name].data, _data(dests.get(name + SCALE_SUFFIX)), t, scale, block)
+            copy_weight(dests[name].data, _data(dests.get(name + SCALE_SUFFIX)), t, scale, block)
             loaded.add(name)
+    check_complete(path, expected, loaded, unexpected, misshaped)
+    return model.eval()
+
+
+def check_complete(path: Path, expected: set[str], loaded: set[str], unexpected: list[str],
+                   misshaped: list[str]) -> None:
+    """ValueError naming every tensor of ``expected`` not ``loaded``, every ``unexpected`` one and
+    the ``misshaped`` ones (``"name: expected ..., got ..."``); nothing when all is well."""
     missing = sorted(expected - loaded - {m.split(":")[0] for m in misshaped})
     problems = [
         f"{label} ({len(names)}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
@@ -216,7 +249,6 @@ def load_model(
     ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match the DeepSeek-V3.2 model: " + "; ".join(problems))
-    return model.eval()
 
 
 def _data(t: torch.Tensor | None) -> torch.Tensor | None:

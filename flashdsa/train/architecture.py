@@ -29,8 +29,8 @@ def forwards(model) -> tuple[Callable, Callable, Callable]:
 
 
 def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.Module:
-    """The fp32 model of the checkpoint ``path`` (either architecture), with its MTP layer when
-    ``mtp`` (None: when the checkpoint has one)."""
+    """The fp32 model of the checkpoint ``path`` (either architecture; FP8 weights dequantized),
+    with its MTP layer when ``mtp`` (None: when the checkpoint has one)."""
     from flashdsa.models.config import DeepseekV32Config
     from flashdsa.models.deepseek_v4_loader import load_v4_model
     from flashdsa.models.loader import load_model
@@ -41,7 +41,7 @@ def load_trainable(path: Path, device, mtp: Optional[bool] = None) -> torch.nn.M
         mtp = config.num_nextn_predict_layers > 0
     if v4:
         return load_v4_model(path, device, torch.float32, mtp=mtp)
-    return load_model(path, device=device, mode="reference", mtp=mtp)
+    return load_model(path, device=device, mode="reference", mtp=mtp, keep_fp8=False)
 
 
 def add_mtp_layer(model) -> torch.nn.Module:
@@ -78,10 +78,15 @@ def export_v4(model: DeepseekV4ForCausalLM, weights: dict[str, torch.Tensor],
 
 
 def skeleton(model) -> torch.nn.Module:
-    """A weightless (meta) copy of ``model``, for applying its state-dict hooks to gathered tensors."""
+    """A weightless (meta) copy of ``model`` (with its MTP layer), for applying its state-dict hooks
+    to gathered tensors."""
+    from flashdsa.models import mtp
     from flashdsa.models.deepseek_v32 import DeepseekV32ForCausalLM
 
     with torch.device("meta"):
         if is_v4(model):
             return DeepseekV4ForCausalLM(model.config, torch.float32, len(model.mtp))
-        return DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
+        weightless = DeepseekV32ForCausalLM(model.config, model.mode, model.quantization)
+    if model.has_mtp:
+        mtp.add_mtp_layer(weightless)
+    return weightless

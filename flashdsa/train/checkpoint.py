@@ -17,7 +17,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from flashdsa.models.deepseek_v32 import FP32_PARAMS
 from flashdsa.models.mtp import checkpoint_tensors
 from flashdsa.models.resolve import LOAD_ERRORS
-from flashdsa.train.architecture import export_v4, is_v4, load_trainable
+from flashdsa.train.architecture import export_v4, is_v4
 from flashdsa.train.safe_io import PARTIAL, atomic_path, write_text
 
 logger = logging.getLogger(__name__)
@@ -141,15 +141,19 @@ def save_training_checkpoint(
 
 
 def load_training_state(path: str | Path) -> dict:
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    """The trainer state of checkpoint ``path``, its tensors memory-mapped (copy-on-write): a page
+    is read when used, so each FSDP rank reads only its rows of the optimizer state."""
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=False, mmap=True)
 
 
-def load_latest_checkpoint(output_dir: str | Path, device) -> Optional[tuple[Path, torch.nn.Module, dict]]:
-    """(path, fp32 model, trainer state) of the newest training checkpoint under ``output_dir``
-    that loads; damaged ones (truncated files) are skipped with a warning. None if none loads."""
+def load_latest_checkpoint(output_dir: str | Path, load: Callable[[Path], torch.nn.Module]
+                           ) -> Optional[tuple[Path, torch.nn.Module, dict]]:
+    """(path, model, trainer state) of the newest training checkpoint under ``output_dir`` that
+    loads, its model read by ``load(path)``; damaged ones (truncated files) are skipped with a
+    warning. None if none loads."""
     for path in complete_checkpoints(output_dir):
         try:
-            return path, load_trainable(path, device), load_training_state(path)
+            return path, load(path), load_training_state(path)
         except (*LOAD_ERRORS, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             logger.warning("skipping %s: it does not load (%s: %s)", path, type(exc).__name__, exc)
     return None

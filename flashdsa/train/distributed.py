@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flashdsa.train.architecture import forwards, skeleton
 from flashdsa.train.forward import SHARDED_FORWARD
@@ -53,8 +54,9 @@ class World:
 
     def shard(self, model) -> None:
         """FSDP2 over every rank: each decoder layer, then the root (embedding, final norm, head);
-        parameters move to this rank's device. One process: nothing to do."""
-        if self.size == 1:
+        parameters move to this rank's device (a model on the meta device stays there until
+        ``to_empty``). One process, or a model sharded already: nothing to do."""
+        if self.size == 1 or isinstance(model, FSDPModule):
             return
         mesh = init_device_mesh(self.device.type, (self.size,))
         _, model_forward, layer_forward = forwards(model)
@@ -114,8 +116,8 @@ class World:
         return {"state": state, "param_groups": groups} if self.is_main else {"state": {}}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``): each
-        tensor is cut to this rank's shard of its parameter."""
+        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``, memory-mapped
+        by ``checkpoint.load_training_state``): each tensor is cut to this rank's rows of its parameter."""
         _reshard(model)
         params = dict(model.named_parameters())
         index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
@@ -146,15 +148,33 @@ def _reshard(model) -> None:
             module.reshard()
 
 
+def own_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(local, start, stop)``: the rows ``[start, stop)`` of ``tensor``'s full dim 0 this rank
+    holds, and the tensor holding them (FSDP2 shards dim 0 as ``torch.chunk`` does, so the last
+    ranks may hold fewer rows or none; a tensor that is not a DTensor is whole on every rank)."""
+    if not isinstance(tensor, DTensor):
+        return tensor, 0, tensor.shape[0]
+    if tuple(tensor.placements) != (Shard(0),):
+        raise ValueError(f"expected a DTensor sharded on dim 0 over one mesh dimension, got {tensor.placements}")
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    local = tensor.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"local shard {list(local.shape)} is not the {list(shape)} DTensor computes")
+    return local, offset[0], offset[0] + shape[0]
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor (gathered from every rank if it is a shard)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` cut like ``param`` (this rank's shard when ``param`` is a DTensor)."""
+    """``full`` cut like ``param``: when ``param`` is a DTensor, this rank's rows of it, copied out
+    locally (of a memory-mapped ``full`` only those rows are read; no collective)."""
     if isinstance(param, DTensor):
-        return distribute_tensor(full.to(param.device), param.device_mesh, param.placements)
+        _, start, stop = own_rows(param)
+        return DTensor.from_local(full[start:stop].to(param.device, copy=True), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
     return full
 
 

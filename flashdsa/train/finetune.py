@@ -9,7 +9,8 @@ writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (res
     torchrun --nproc-per-node N -m flashdsa finetune ...
 
 trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
-batch, checkpoints and outputs as one process; rank 0 writes every file.
+batch, checkpoints and outputs as one process; each rank reads only its shards of a V3.2 checkpoint
+(``flashdsa.train.sharded_load``); rank 0 writes every file.
 A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
 gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``model_type``
 ``deepseek_v4``) trains through the same stages, its CSA indexers over the compressed entries
@@ -19,6 +20,7 @@ gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``m
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,12 +99,11 @@ def read_data(path: Path, tokenizer, eval_fraction: float, seq_len: int) -> tupl
 
 
 def run(args: argparse.Namespace) -> int:
-    from flashdsa.models.resolve import is_v4, load_tokenizer, load_weights, parse_device, read_checkpoint, resolve_model
-    from flashdsa.train.architecture import add_mtp_layer
+    from flashdsa.models.resolve import LOAD_ERRORS, is_v4, load_tokenizer, parse_device, read_checkpoint, resolve_model
     from flashdsa.train import checkpoint as ckpt
-    from flashdsa.train.init import initialize
     from flashdsa.train.distributed import join, leave
     from flashdsa.train.loop import Trainer
+    from flashdsa.train.sharded_load import load_for_training
 
     world = join(parse_device(args.device))
     model_dir = resolve_model(args.model)
@@ -121,15 +122,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.resume and (args.output / ckpt.CHECKPOINTS).is_dir():  # a fresh run would prune them
         raise ArgumentError("--output", f"{args.output} holds the checkpoints of an earlier run; pass --resume to "
                                         f"continue it, or choose another --output")
-    # fp32 master weights; several ranks read them to host memory and shard them onto the device
-    load_to = world.device if world.size == 1 else torch.device("cpu")
-    resumed = ckpt.load_latest_checkpoint(args.output, load_to) if args.resume else None
+    # fp32 master weights; several ranks each read their FSDP2 shards of them (sharded_load)
+    load = partial(load_for_training, world=world)
+    resumed = ckpt.load_latest_checkpoint(args.output, load) if args.resume else None
     if args.resume and resumed is None:
         raise ArgumentError("--resume", f"no checkpoint that loads under {args.output / ckpt.CHECKPOINTS}; "
                                         f"run without --resume to start afresh")
-    model = resumed[1] if resumed else load_weights(model_dir, load_to, "reference", mtp=has_mtp)
-    if args.add_mtp_layer and resumed is None:
-        initialize(add_mtp_layer(model), seed=args.seed, depth=model.config.num_hidden_layers)
+    if resumed is None:
+        with blame("model", LOAD_ERRORS):  # missing, mis-shaped or damaged tensors
+            model = load(model_dir, fresh_mtp_seed=args.seed if args.add_mtp_layer else None)
+    else:
+        model = resumed[1]
     with blame("--data", (ValueError,)):  # too few tokens for one batch
         trainer = Trainer(model, train_tokens, eval_tokens, cfg, args.output, model_dir, world.device, world)
     if resumed is not None:

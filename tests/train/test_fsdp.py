@@ -24,6 +24,13 @@ def finetune_args(model_dir, corpus, output, seq_len: int) -> list[str]:
             "--eval-tokens", str(2 * seq_len), "--lr", "3e-3", "--device", "cpu", "--output", str(output)]
 
 
+def on_two_ranks(args: list[str]) -> subprocess.CompletedProcess:
+    """``flashdsa *args`` under torchrun, 2 processes on this machine (gloo on CPU)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "flashdsa",
+               *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def losses(output) -> list[dict[str, float]]:
     keys = ("lm_loss", "indexer_kl", "grad_norm", "eval_loss")
     records = [json.loads(line) for line in (output / "log.jsonl").read_text().splitlines()]
@@ -35,10 +42,7 @@ def losses(output) -> list[dict[str, float]]:
 def test_two_ranks_match_one_process(checkpoint, seq_len, tolerance, corpus, tmp_path, request):
     model_dir = request.getfixturevalue(checkpoint)
     assert main(finetune_args(model_dir, corpus, tmp_path / "one", seq_len)) == 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               "-m", "flashdsa", *finetune_args(model_dir, corpus, tmp_path / "two", seq_len)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    run = on_two_ranks(finetune_args(model_dir, corpus, tmp_path / "two", seq_len))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "(2 ranks)" in run.stdout
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
@@ -52,3 +56,20 @@ def test_two_ranks_match_one_process(checkpoint, seq_len, tolerance, corpus, tmp
         assert (sharded[name].float() - tensor.float()).abs().max() <= 1e-2 * tensor.float().abs().max() + 1e-6, name
     assert (tmp_path / "two" / "loss.png").is_file()
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [f"step-{STEPS:06d}"]
+
+
+def test_two_ranks_resume_with_a_fresh_mtp_layer_like_one_process(tiny_model_dir, corpus, tmp_path):
+    """A 2-rank run that adds an MTP layer, stops after its first step (time limit) and resumes
+    from its checkpoint (each rank loading its shards of it) follows the one-process run."""
+    args = [*finetune_args(tiny_model_dir, corpus, tmp_path / "one", 32), "--add-mtp-layer"]
+    assert main(args) == 0
+    two = [*finetune_args(tiny_model_dir, corpus, tmp_path / "two", 32), "--add-mtp-layer"]
+    for extra in (["--time-limit", "1e-6"], ["--resume"]):
+        run = on_two_ranks([*two, *extra])
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "resumed from" in run.stdout and "step-000001" in run.stdout
+    one, resumed = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(resumed) == STEPS and "mtp_loss" in json.loads((tmp_path / "two" / "log.jsonl").read_text().splitlines()[-1])
+    for a, b in zip(one, resumed):
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=TOLERANCE), key

@@ -1,0 +1,140 @@
+"""Per-rank FSDP2 loading (gloo, spawned ranks): each rank's shards are bitwise the rows of the
+one-process fp32 model, and no rank reads more of a tensor than its rows (a routed expert's
+tensor: whole, by the one rank whose rows hold that expert). Two ranks, and three, where shards
+are uneven, some ranks hold no expert and FP8 cuts fall inside 128-row scale blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+from flashdsa.models import loader
+from flashdsa.models.linear import SCALE_SUFFIX
+from flashdsa.models.tiny import make_tiny_checkpoint
+from flashdsa.train.distributed import World, own_rows
+from flashdsa.train.sharded_load import load_for_training
+
+MTP_SEED = 5  # the bf16 checkpoint has no MTP layer: it gets a fresh one, as --add-mtp-layer does
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded_load")
+    return {  # (checkpoint, seed of a fresh MTP layer or None)
+        # shrunk widths, 4 experts (3 ranks: 2, 2, 0), no MTP layer
+        "bf16": (make_tiny_checkpoint(root / "bf16", seed=1, shrink=True), MTP_SEED),
+        # V3.2 widths (576-row kv_a_proj, 256-row q_a_proj: cuts inside scale blocks), 8 experts, an MTP layer, 3 files
+        "fp8": (make_tiny_checkpoint(root / "fp8", seed=2, fp8=True, mtp=True, shards=3), None),
+    }
+
+
+class _Slice:
+    """A safetensors slice that logs the rows of every read of tensor ``name``."""
+
+    def __init__(self, part, name: str, log: dict[str, list[int]]):
+        self.part, self.name, self.log = part, name, log
+
+    def get_shape(self):
+        return self.part.get_shape()
+
+    def get_dtype(self):
+        return self.part.get_dtype()
+
+    def __getitem__(self, index):
+        t = self.part[index]
+        self.log.setdefault(self.name, []).append(t.shape[0] if t.dim() else 1)
+        return t
+
+
+class _Recording:
+    """``safe_open`` whose reads go through :class:`_Slice` (and nothing else: no ``get_tensor``)."""
+
+    def __init__(self, f, log: dict[str, list[int]]):
+        self.f, self.log = f, log
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self.f.get_slice(name), name, self.log)
+
+
+def _load_on_rank(rank: int, size: int, store: str, checkpoints: dict, out: str) -> None:
+    """One rank: load every checkpoint as shards and save ``{key: (shards, reads)}``, each shard
+    as ``(start row, local tensor)`` and reads as checkpoint name -> rows of each read."""
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # uninitialised memory reads as NaN
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    real, result = loader.safe_open, {}
+    try:
+        for key, (path, seed) in checkpoints.items():
+            reads: dict[str, list[int]] = {}
+            loader.safe_open = lambda *a, **k: _Recording(real(*a, **k), reads)
+            model = load_for_training(path, World(rank, size), fresh_mtp_seed=seed)
+            shards = {}
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                assert isinstance(t, DTensor) or name.endswith("e_score_correction_bias"), name
+                local, start, _ = own_rows(t)
+                shards[name] = (start, local.detach().clone())
+            result[key] = (shards, reads)
+    finally:
+        loader.safe_open = real
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _headers(path) -> dict[str, list[int]]:
+    """Checkpoint tensor name -> shape."""
+    shapes = {}
+    for file in loader.checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            shapes.update((name, f.get_slice(name).get_shape()) for name in f.keys())
+    return shapes
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_each_rank_loads_its_rows_of_the_one_process_model_and_reads_no_more(checkpoints, size, tmp_path):
+    mp.spawn(_load_on_rank, args=(size, str(tmp_path / "store"), checkpoints, str(tmp_path)), nprocs=size)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
+    for key, (path, seed) in checkpoints.items():
+        single = load_for_training(path, World(), fresh_mtp_seed=seed)
+        whole = dict([*single.named_parameters(), *single.named_buffers()])
+        for name, full in whole.items():
+            parts = [rank[key][0][name] for rank in ranks]
+            if name.endswith("e_score_correction_bias"):  # a buffer: whole on every rank
+                assert all(start == 0 and torch.equal(t, full) for start, t in parts), name
+                continue
+            assert sum(t.shape[0] for _, t in parts) == full.shape[0], name
+            assert max(t.shape[0] for _, t in parts) == math.ceil(full.shape[0] / size), name
+            for start, t in parts:
+                assert t.dtype == torch.float32 and torch.equal(t, full[start:start + t.shape[0]]), (key, name, start)
+        if seed is not None:  # the fresh MTP layer is drawn: not all zeros, not NaN
+            assert whole["model.mtp.eh_proj.weight"].abs().sum() > 0
+        shapes = _headers(path)
+        for name, shape in shapes.items():
+            rows = [sum(rank[key][1].get(name, [])) for rank in ranks]
+            largest = max(max(rank[key][1].get(name, [0])) for rank in ranks)
+            if name.endswith(SCALE_SUFFIX):  # the scale rows over a rank's weight rows
+                weight_rows = shapes[name.removesuffix(SCALE_SUFFIX)][0]
+                assert largest <= math.ceil(math.ceil(weight_rows / size) / 128) + 1, name
+            elif name.endswith("e_score_correction_bias"):
+                assert rows == [shape[0]] * size, name
+            elif ".experts." in name:  # one rank reads it, whole
+                assert sorted(rows) == [0] * (size - 1) + [shape[0]], name
+            elif name.endswith(("layers.3.embed_tokens.weight", "layers.3.shared_head.head.weight")):
+                assert rows == [0] * size, name  # the MTP layer's copies of the embedding and head
+            else:
+                assert sum(rows) == shape[0] and largest <= math.ceil(shape[0] / size), (name, rows)
