@@ -17,10 +17,13 @@ from flashdsa.runtime.norm import rms_norm
 __all__ = ["RMSNorm", "HyperConnection", "HyperHead", "rms_normalize"]
 
 
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _backend(*tensors: torch.Tensor) -> str | None:
     """``"reference"`` (differentiable torch) when autograd must see the computation, else None (dispatch)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return "reference" if needs_grad else None
+    return "reference" if _needs_autograd(*tensors) else None
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _backend(x, self.weight) is None and x.dtype != torch.float64:
+        if not _needs_autograd(x, self.weight) and x.dtype != torch.float64:
             y, _ = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, float(self.eps), fp32_product=True)
             return y.view(x.shape)
         h = x.float()
