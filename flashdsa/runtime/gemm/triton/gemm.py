@@ -113,15 +113,16 @@ def _add_scaled(acc, product, xs, ws, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M, N, K, stride_x, num_kb, kb_per_split,
-                 stride_split, amax_floor, e4m3_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, DEFER: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr, SPLIT: tl.constexpr,
-                 TICKETS: tl.constexpr):
+def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M, N, K, stride_x, num_kb,
+                 kb_per_split, stride_split, amax_floor, e4m3_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, DEFER: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr,
+                 SPLIT: tl.constexpr, TICKETS: tl.constexpr):
     """x: [M, K] e4m3 (rows stride_x apart), xs: [M, num_kb] fp32, w: [N, K] e4m3, ws: [ceil(N/128),
     num_kb] fp32 -> the sum over groups [split * kb_per_split, ...): into out: [M, N], or with SPLIT
-    into part[split]: [M, N] fp32 (stride_split = M * N elements apart), where with TICKETS the last split of the tile to finish adds
-    part[0], part[1], ... into out (tickets: one int32 counter a tile, 0 before and after).
+    into part[split]: [M, N] fp32 (stride_split = M * N elements apart), where with TICKETS the last
+    split of the tile to finish adds part[0], part[1], ... into out (tickets: one int32 counter a
+    tile, 0 before and after).
     x_src / w_src: pointers, or with USE_TMA descriptors of x and w with [BLOCK_M / BLOCK_N, 128] boxes.
     QUANTIZE: x is bf16/fp16/fp32, quantized group by group here like quantize_activations
     (POW2: power-of-two scales); xs is unused. DEFER adds each group's scaled product one step
