@@ -245,9 +245,9 @@ def test_one_launch_linear_matches_quantize_then_gemm_over_many_split_k_launches
 
 @pytest.mark.gpu
 def test_one_launch_linear_replays_in_a_cuda_graph():
-    """Three split-K one-launch linears (V3.2's q_a, o_proj and shared_down at M = 4, chained)
-    captured once and replayed five times on new inputs: each replay equals the eager calls, and
-    the ticket counters are back at 0."""
+    """Two split-K one-launch linears (V3.2's shared_down then q_a at M = 4, chained) captured once
+    and replayed five times on new inputs: each replay equals the eager calls, and the ticket
+    counters are back at 0."""
     from flashdsa.runtime.gemm.triton import gemm as kernels
 
     layers = [weight(*V32_LINEAR_SHAPES[name], str(cuda)) for name in ("shared_down", "q_a")]
