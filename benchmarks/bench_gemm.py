@@ -15,8 +15,13 @@ together exceed the L2 several times.
 shape and prints, per shape, the heuristic's choice against the fastest; ``--sweep-json`` saves
 every timing, so one GPU run is enough to fix the heuristic.
 
+``--one-launch`` instead times, per shape at decode sizes (default M = 1, 4, 32), ``fp8_linear``
+from bf16 activations (power-of-two scales, V3.2's) as the two Triton steps (quantize_activations,
+then fp8_gemm and its split-K sum kernel) against the one-launch kernel (``gemm.fp8_linear``), both
+replayed from CUDA graphs; the row's ratio is two-step time / one-launch time.
+
     python3 benchmarks/bench_gemm.py [--sweep] [--sweep-json gemm_sweep.json] [--shapes q_a,o_proj]
-        [--m 1,4096] [--output BENCHMARKS.md]
+        [--m 1,4096] [--one-launch] [--output BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from tqdm import tqdm
 from benchmarks.bench_decode_indexer import copy_bandwidth, fp8_bytes
 from benchmarks.common import L2_BYTES, Row, graph_ms, median_ms, output_parser, report
 from flashdsa.runtime.gemm import cublas, fp8_gemm, fp8_gemm_backend, quantize_activations
-from flashdsa.runtime.gemm.triton import configs, gemm
+from flashdsa.runtime.gemm.triton import configs, gemm, quantize
 
 SHAPES = configs.V32_LINEAR_SHAPES  # name: (N, K)
 MS = (1, 2, 4, 8, 32, 128, 4096, 16384)
+ONE_LAUNCH_MS = (1, 4, 32)
 COPY_SHARE, CUBLAS_SHARE = 0.8, 0.9
 MAX_SETS, MAX_SET_BYTES = 256, 2 << 30
 
@@ -135,6 +141,28 @@ def bench_quantizer(device, copy_gbs: float, k: int = 7168) -> list[Row]:
     return rows
 
 
+def bench_one_launch(name: str, m: int, n: int, k: int, device) -> Row:
+    """fp8_linear at decode size M: quantize + fp8_gemm (+ its split-K sum) against the one launch,
+    both from CUDA graphs, on bf16 activations with power-of-two scales. Rate: the one launch's
+    GB/s; target: the two steps' GB/s (ratio = speedup)."""
+    sets = [(torch.randn(m, k, device=device, dtype=torch.bfloat16), w, w_scale)
+            for _, _, w, w_scale in make_sets(m, n, k, device)]
+
+    def two_steps(x, w, w_scale):
+        return gemm.fp8_gemm(*quantize.quantize_activations(x, True), w, w_scale, torch.bfloat16)
+
+    def one_launch(x, w, w_scale):
+        return gemm.fp8_linear(x, w, w_scale, True, torch.bfloat16)
+
+    same = torch.equal(two_steps(*sets[0]), one_launch(*sets[0]))
+    two_ms = graph_ms([lambda s=s: two_steps(*s) for s in sets])
+    one_ms = graph_ms([lambda s=s: one_launch(*s) for s in sets])
+    moved = bytes_moved(m, n, k)
+    return Row("fp8_linear one launch", f"{name} N={n} K={k} M={m}", one_ms, moved / one_ms / 1e6, "GB/s",
+               moved / two_ms / 1e6, f"two steps {two_ms * 1e3:.1f} us, one launch {one_ms * 1e3:.1f} us "
+               f"with {configs.choose_config(m, n, k, device)}" + ("" if same else "; OUTPUTS DIFFER"))
+
+
 def sweep_shape(name: str, m: int, n: int, k: int, device, iters: int) -> tuple[Row, dict]:
     """Time every candidate config. Returns a row (kernel: the fastest config; rate: the
     heuristic's ms; target: the fastest ms; ratio: heuristic / fastest) and all timings."""
@@ -157,13 +185,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="time every candidate config per shape")
     parser.add_argument("--sweep-json", help="save the sweep's timings to this JSON file")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
-    parser.add_argument("--m", default=",".join(map(str, MS)), help="comma-separated M values")
+    parser.add_argument("--m", help=f"comma-separated M values (default {MS}, with --one-launch {ONE_LAUNCH_MS})")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="only time fp8_linear's two Triton steps against its one launch (decode M)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--sweep-iters", type=int, default=10, help="timed calls per swept candidate")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     device = torch.device("cuda")
-    names, ms = args.shapes.split(","), [int(m) for m in args.m.split(",")]
+    names = args.shapes.split(",")
+    ms = [int(m) for m in args.m.split(",")] if args.m else list(ONE_LAUNCH_MS if args.one_launch else MS)
+    if args.one_launch:
+        rows = []
+        for name in tqdm(names, desc="shapes"):
+            for m in ms:
+                try:
+                    rows.append(bench_one_launch(name, m, *SHAPES[name], device))
+                    print(rows[-1])
+                except Exception as e:  # one failing shape must not hide the other figures
+                    log.exception("%s M=%d failed: %s", name, m, e)
+            torch.cuda.empty_cache()
+        report("fp8_linear at decode sizes: two Triton steps (target) vs one launch (rate); ratio = speedup",
+               rows, args.output)
+        return
     copy_gbs = copy_bandwidth(device)
     rows = [Row("device copy", "2 GiB", 0.0, copy_gbs, "GB/s", copy_gbs, "read + write")]
     sweep_rows, sweeps = [], []

@@ -227,7 +227,8 @@ def test_fp4_moe_kernels_fit_hopper_shared_memory(launches):
 def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):
     """The quantizer, and the GEMM at the heuristic's choice per regime (decode with split-K,
     middle and prefill with TMA loads; K a multiple of 128 or not) plus the deferred-scaling and
-    the decode TMA variants."""
+    the decode TMA variants; the one-launch decode linear (quantizing in the kernel, split-K
+    summed through tickets) from bf16 and fp32, K a multiple of 128 or not."""
     from flashdsa.runtime.gemm.triton import configs, gemm, quantize
 
     for pow2 in (False, True):
@@ -241,6 +242,10 @@ def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):
         gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, torch.bfloat16, config=config)
     x_fp8, w_fp8, x_scale = x_fp8[:, :7000].contiguous(), w_fp8[:, :7000].contiguous(), x_scale[:, :55].contiguous()
     gemm.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale[:, :55].contiguous(), torch.bfloat16)
+    for m, dtype, pow2 in ((1, torch.bfloat16, True), (64, torch.float32, False)):  # one launch: split K with tickets
+        gemm.fp8_linear(torch.randn(m, 7168).to(dtype), torch.zeros(1536, 7168, dtype=torch.float8_e4m3fn),
+                        torch.ones(12, 56), pow2, dtype)
+    gemm.fp8_linear(torch.randn(3, 7000).bfloat16(), w_fp8, w_scale[:, :55].contiguous(), True, torch.bfloat16)
     assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]
 
 

@@ -2,18 +2,22 @@
 inputs and the GEMM tolerance; quantizer bytes and scales must match exactly, since both divide
 in IEEE fp32 and round to nearest even).
 
+The one-launch decode linear (``gemm.fp8_linear``: quantizing in the GEMM, split K summed by the
+last split through tickets) must give quantize-then-``fp8_gemm``'s bits with the same launch shape.
+
 GPU tests (marked ``gpu``): every V3.2 linear shape at M = 1..8, 32, 64, 128, 600 (and 4096 for
 four of them), shapes off multiples of 128 in bf16/fp16/fp32, every candidate launch shape the
-sweep may pick, M = 0 and K = 0, and a sync-free, CUDA-graph-captured decode call. Outputs start
-as NaN (the caching allocator is flooded first). The CPU test runs small cases in a subprocess
-with TRITON_INTERPRET=1 and ``torch.empty`` poisoned.
+sweep may pick, M = 0 and K = 0, a sync-free, CUDA-graph-captured decode call, and the one-launch
+linear over 200 random split-K launches and replayed from a CUDA graph. Outputs start as NaN (the
+caching allocator is flooded first). The CPU test runs small cases in a subprocess with
+TRITON_INTERPRET=1 and ``torch.empty`` poisoned.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fp8_gemm_cases import SEED, assert_gemm_close, block_scaled, gemm_inputs, generator
+from fp8_gemm_cases import SEED, assert_gemm_close, block_scaled, gemm_inputs, generator, weight
 
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP, fp8_gemm, fp8_linear, quantize_activations, quantize_weight
@@ -48,6 +52,48 @@ def check_gemm(m: int, n: int, k: int, device, config: GemmConfig | None = None,
         got = kernels.fp8_gemm(*inputs, dtype, config=config)
     assert got.dtype == dtype
     assert_gemm_close(got, *inputs, what=f"M={m} N={n} K={k} {config or 'heuristic'} {dtype}")
+
+
+def one_launch_activations(m: int, k: int, dtype: torch.dtype, device, *salt: int) -> torch.Tensor:
+    """[m, k] ``dtype`` block-scaled activations; row 0 all zero (amax at the floor) and row 1 huge
+    (1e30; fp16: all rows 2^-8 smaller, as in check_gemm, and no huge row)."""
+    x = block_scaled(m, k, 1, generator(m, k, *salt, device=device))
+    x[0] = 0.0
+    if dtype == torch.float16:
+        x *= 2**-8
+    elif m > 1:
+        x[1] *= 1e30
+    return x.to(dtype)
+
+
+def check_one_launch(m: int, n: int, k: int, dtype: torch.dtype, pow2: bool, device,
+                     config: GemmConfig | None = None, calls: int = 1) -> None:
+    """``gemm.fp8_linear`` equals the Triton quantizer then ``fp8_gemm`` (same launch shape) bit for
+    bit, ``calls`` times in a row on fresh inputs (the ticket counters reused: they must be back at
+    0), and the fp32 reference within the GEMM tolerance."""
+    from flashdsa.runtime.gemm.triton import gemm as kernels
+
+    w_fp8, w_scale = weight(n, k, str(torch.device(device)))
+    for call in range(calls):
+        x = one_launch_activations(m, k, dtype, device, call)
+        got = kernels.fp8_linear(x, w_fp8, w_scale, pow2, dtype, config=config)
+        x_fp8, x_scale = quantize_activations(x, pow2_scales=pow2, backend="triton")
+        want = kernels.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, dtype, config=config)
+        what = f"M={m} N={n} K={k} {dtype} pow2={pow2} {config or 'heuristic'} call {call}"
+        assert got.dtype == dtype and torch.equal(got, want), (
+            f"seed {SEED} {what}: {int((got != want).sum())} of {got.numel()} differ from quantize + fp8_gemm")
+        assert_gemm_close(got, x_fp8, x_scale, w_fp8, w_scale, what)
+        counters = kernels._counters.get(x.device)
+        assert counters is None or not counters.any(), f"{what}: ticket counters left at {counters.nonzero()}"
+
+
+ONE_LAUNCH_CASES = [  # (M, N, K, dtype, pow2, config): M = 1, 3, 17, 64; N and K off multiples of 64 / 128
+    (1, 70, 300, torch.bfloat16, True, GemmConfig(16, 64, 3, swap_ab=True)),
+    (3, 130, 700, torch.float32, False, GemmConfig(16, 64, 2, swap_ab=True)),
+    (17, 200, 256, torch.float16, True, GemmConfig(32, 64, 1, swap_ab=True)),
+    (64, 64, 640, torch.bfloat16, False, GemmConfig(64, 32, 5, swap_ab=True)),
+    (3, 100, 1000, torch.float32, True, None),
+]
 
 
 def tricky_activations(device) -> torch.Tensor:
@@ -85,6 +131,9 @@ def run_interpreter_cases() -> None:
         assert got.shape == (2, 3, 70) and got.dtype == torch.bfloat16
         x_fp8, x_scale = quantize_activations(x.view(6, 300), pow2_scales=True, backend="reference")
         assert_gemm_close(got.view(6, 70), x_fp8, x_scale, w_fp8, w_scale, "fp8_linear")
+        assert torch.equal(got.view(6, 70), fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, backend="triton"))
+        for m, n, k, dtype, pow2, config in ONE_LAUNCH_CASES:
+            check_one_launch(m, n, k, dtype, pow2, cpu, config, calls=2 if m == 1 else 1)
 
 
 def test_triton_under_interpreter():
@@ -173,13 +222,68 @@ def test_fp8_linear_is_sync_free_and_replays_in_a_cuda_graph(m):
     assert torch.equal(captured, eager)
 
 
+@pytest.mark.gpu
+def test_one_launch_linear_matches_quantize_then_gemm_over_many_split_k_launches():
+    """200 launches of random decode shapes (M 2..64, split K 2..8, N off multiples of 64, K a
+    multiple of 128 or not), back to back without a sync, each bit-equal to quantize + fp8_gemm:
+    a split whose partial tile were not visible to the last one would show. The dtype and scale
+    kind go with the token block (bf16 pow2 at 16, fp32 at 32, fp16 pow2 at 64), and N and K stay
+    multiples of 16, so ~16 kernel variants compile."""
+    flood_cuda_allocator_with_nan(cuda)
+    g = torch.Generator().manual_seed(SEED)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=g))
+
+    for case in range(200):
+        low, block_m, dtype, pow2 = ((2, 16, torch.bfloat16, True), (17, 32, torch.float32, False),
+                                     (33, 64, torch.float16, True))[case % 3]
+        m, n = draw(low, block_m), 16 * draw(1, 100)
+        k = 128 * draw(2, 30) - 16 * draw(0, 1) * draw(1, 7)
+        check_one_launch(m, n, k, dtype, pow2, cuda, GemmConfig(block_m, 64, draw(2, 8), swap_ab=True))
+
+
+@pytest.mark.gpu
+def test_one_launch_linear_replays_in_a_cuda_graph():
+    """Two split-K one-launch linears (V3.2's shared_down then q_a at M = 4, chained) captured once
+    and replayed five times on new inputs: each replay equals the eager calls, and the ticket
+    counters are back at 0."""
+    from flashdsa.runtime.gemm.triton import gemm as kernels
+
+    layers = [weight(*V32_LINEAR_SHAPES[name], str(cuda)) for name in ("shared_down", "q_a")]
+    x = torch.empty(4, V32_LINEAR_SHAPES["shared_down"][1], dtype=torch.bfloat16, device=cuda)
+
+    def forward() -> list[torch.Tensor]:
+        outs = [fp8_linear(x, *layers[0], pow2_scales=True, backend="triton")]
+        outs.append(fp8_linear(outs[-1], *layers[1], pow2_scales=True, backend="triton"))
+        return outs
+
+    x.copy_(one_launch_activations(4, x.shape[1], x.dtype, cuda, 99))
+    forward()  # warm-up outside the capture: compiles, and makes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    for replay in range(5):
+        x.copy_(block_scaled(4, x.shape[1], 1, generator(16, replay, device=cuda)))
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+        eager = forward()
+        for got, want in zip(captured, eager):
+            assert torch.equal(got, want), f"seed {SEED} replay {replay}: {int((got != want).sum())} differ"
+    assert not kernels._counters[x.device].any()
+
+
 def run_memcheck_case() -> None:
-    """Small GPU cases of both kernels, including the split-K sum and partial tiles, for compute-sanitizer."""
+    """Small GPU cases of both kernels, including the split-K sum, the one-launch linear's tickets
+    and partial tiles, for compute-sanitizer."""
     check_quantizer(tricky_activations(cuda), True)
     for m, n, k in [(1, 200, 300), (70, 256, 384), (300, 130, 1000)]:
         check_gemm(m, n, k, cuda)
         for config in SMALL_CONFIGS:
             check_gemm(m, n, k, cuda, config)
+    for m, n, k, dtype, pow2, config in ONE_LAUNCH_CASES:
+        check_one_launch(m, n, k, dtype, pow2, cuda, config, calls=2)
     torch.cuda.synchronize()
 
 

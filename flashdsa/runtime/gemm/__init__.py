@@ -99,6 +99,10 @@ def _check_gemm(x_fp8, x_scale, w_fp8, w_scale) -> None:
     m, k = x_fp8.shape
     device = x_fp8.device
     check_tensor("x_scale", x_scale, torch.float32, [m, _groups(k)], f"fp32 [M={m}, ceil(K/128)={_groups(k)}]", device)
+    _check_weight(w_fp8, w_scale, k, device)
+
+
+def _check_weight(w_fp8, w_scale, k: int, device: torch.device) -> None:
     check_tensor("w_fp8", w_fp8, E4M3, [None, k], f"float8_e4m3fn [N, K={k}]", device)
     n = w_fp8.shape[0]
     check_tensor("w_scale", w_scale, torch.float32, [_groups(n), _groups(k)],
@@ -136,9 +140,31 @@ def fp8_gemm_backend(m: int, n: int, k: int, device: torch.device, out_dtype: to
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, pow2_scales: bool = False,
                backend: Optional[str] = None) -> torch.Tensor:
     """``x: [..., K]`` float through the block-scaled e4m3 weight ``w_fp8: [N, K]`` -> ``[..., N]`` in x's dtype:
-    :func:`quantize_activations` then :func:`fp8_gemm`."""
+    :func:`quantize_activations` then :func:`fp8_gemm`. Where both run on Triton and the tokens are
+    the GEMM's decode regime (1..64), that is one kernel (``triton/gemm.py``) with the same bits."""
     check(isinstance(x, torch.Tensor) and x.dim() >= 1, f"x must be a tensor [..., K], got {type(x).__name__}")
     x2 = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
-    y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
+    check_tensor("x", x2, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [..., K]", contiguous=False)
+    check(x2.shape[1] > 0, f"x must have K > 0, got {list(x.shape)}")
+    _check_weight(w_fp8, w_scale, x2.shape[1], x2.device)
+    if _one_launch(x2, w_fp8, backend):
+        from flashdsa.runtime.gemm.triton.gemm import fp8_linear as impl
+
+        y = impl(x2, w_fp8, w_scale, pow2_scales, x.dtype)
+    else:
+        x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
+        y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
     return y.view(*x.shape[:-1], w_fp8.shape[0])
+
+
+def _one_launch(x: torch.Tensor, w_fp8: torch.Tensor, backend: Optional[str]) -> bool:
+    """Whether :func:`fp8_linear` runs as the one Triton kernel: both ops chose Triton and M is
+    in the GEMM's decode regime."""
+    (m, k), n = x.shape, w_fp8.shape[0]
+    if m == 0 or fp8_gemm_backend(m, n, k, x.device, x.dtype, backend=backend) != "triton":
+        return False
+    if dispatch.choose("quantize_activations", x.device, backend) != "triton":
+        return False
+    from flashdsa.runtime.gemm.triton.configs import DECODE_MAX_M
+
+    return m <= DECODE_MAX_M

@@ -28,11 +28,18 @@ from flashdsa.runtime.indexer.triton.hadamard import rotate_rows
 
 @triton.jit
 def _to_e4m3_bytes(x, scale):
-    """``x / scale`` clamped to +-448 and rounded to the nearest e4m3 (ties to even), as uint8.
+    """``x / scale`` clamped to +-448 and rounded to the nearest e4m3 (ties to even), as uint8."""
+    return _round_to_e4m3_bytes(tl.math.div_rn(x, scale))
+
+
+@triton.jit
+def _round_to_e4m3_bytes(q):
+    """fp32 ``q`` (already divided by its scale) clamped to +-448 and rounded to the nearest e4m3
+    (ties to even), as uint8.
 
     Done with integer arithmetic on the fp32 bits, not ``.to(tl.float8e4nv)``: on SM90 Triton's
     cast rounds twice (via fp16), which differs from torch's cast in about 1 byte in 400."""
-    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
+    q = tl.clamp(q, -448.0, 448.0)
     bits = q.to(tl.int32, bitcast=True)
     mag = bits & 0x7FFFFFFF
     # normal (>= 2^-6): drop 20 of the 23 mantissa bits with round-half-even, rebias 127 -> 7

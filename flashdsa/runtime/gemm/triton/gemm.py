@@ -13,10 +13,24 @@ from TMA descriptors, whose copy engine fills zeros past the tensor.
 of 1..64 tokens pads to 16..64 columns while 64 weight rows fill a warpgroup's MMA. With
 ``split_k > 1`` the programs write fp32 partial sums ``[split, M, N]`` and a second kernel adds
 them in a fixed order (deterministic), so a few output tiles can still keep every SM streaming.
+
+:func:`fp8_linear` (decode, M <= DECODE_MAX_M) is the same kernel in one launch: it reads the
+float activations and quantizes each ``[BLOCK_M, 128]`` group it walks in registers with the
+quantizer's own arithmetic (``quantize.quantize_groups``: same codes and scales, so the result is
+quantize-then-``fp8_gemm``'s, bit for bit; every program of a row tile repeats that work), and the
+split that finishes a tile last adds the partial sums itself. Each split stores its partial tile,
+passes a CTA barrier (every thread's stores precede the ticket), then takes a ticket from the
+tile's counter with an acq_rel atomic (release: the stores are visible before the count; acquire:
+the last one's loads see every split's stores). The program that draws ticket ``splits - 1`` adds
+the partials in split order 0, 1, ... (as ``_sum_splits_kernel`` does), stores the output and
+sets the counter back to 0, so the per-device counter buffer, zeroed once, serves every later
+launch and CUDA-graph replay. Two such launches must not run concurrently on one device (streams
+of one device share the counters).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -24,8 +38,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashdsa.runtime.fp8 import AMAX_FLOOR, E4M3_MAX
 from flashdsa.runtime.gemm.reference import GROUP
-from flashdsa.runtime.gemm.triton.configs import GemmConfig, choose_config
+from flashdsa.runtime.gemm.triton.configs import DECODE_MAX_M, GemmConfig, choose_config
+from flashdsa.runtime.gemm.triton.quantize import quantize_groups
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -42,11 +60,12 @@ def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, n0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                USE_TMA: tl.constexpr):
+def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, n0, K, amax_floor, e4m3_max, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr):
     """Group kb: the x and w tiles (zeros past K), x_scale[m, kb] and w_scale[., kb]. The tiles
     come through TMA descriptors (boxes at rows m0 / n0; the copy engine fills zeros past the
-    tensor) or from pointer tiles at group 0."""
+    tensor) or from pointer tiles at group 0. With QUANTIZE x is float: its tile is quantized
+    here (e4m3 codes, and the scales in place of x_scale's)."""
     if USE_TMA:
         x = x_src.load([m0, kb * BLOCK_K])
         w = w_src.load([n0, kb * BLOCK_K])
@@ -57,7 +76,12 @@ def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, n0, K, BLOCK_K: tl.const
         in_k = tl.arange(0, BLOCK_K)[None, :] < K - kb * BLOCK_K
         x = tl.load(x_src + kb * BLOCK_K, mask=in_k, other=0.0)
         w = tl.load(w_src + kb * BLOCK_K, mask=in_k, other=0.0)
-    return x, w, tl.load(xs_ptrs + kb), tl.load(ws_ptrs + kb)
+    if QUANTIZE:
+        codes, xs = quantize_groups(x, amax_floor, e4m3_max, POW2)
+        x = codes.to(tl.float8e4nv, bitcast=True)
+    else:
+        xs = tl.load(xs_ptrs + kb)
+    return x, w, xs, tl.load(ws_ptrs + kb)
 
 
 @triton.jit
@@ -89,13 +113,20 @@ def _add_scaled(acc, product, xs, ws, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_split, stride_split,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 SWAP_AB: tl.constexpr, DEFER: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """x: [M, K] e4m3, xs: [M, num_kb] fp32, w: [N, K] e4m3, ws: [ceil(N/128), num_kb] fp32 ->
-    out (+ split * stride_split): [M, N], the sum over groups [split * kb_per_split, ...).
+def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M, N, K, stride_x, num_kb,
+                 kb_per_split, stride_split, amax_floor, e4m3_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, DEFER: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr,
+                 SPLIT: tl.constexpr, TICKETS: tl.constexpr):
+    """x: [M, K] e4m3 (rows stride_x apart), xs: [M, num_kb] fp32, w: [N, K] e4m3, ws: [ceil(N/128),
+    num_kb] fp32 -> the sum over groups [split * kb_per_split, ...): into out: [M, N], or with SPLIT
+    into part[split]: [M, N] fp32 (stride_split = M * N elements apart), where with TICKETS the last
+    split of the tile to finish adds part[0], part[1], ... into out (tickets: one int32 counter a
+    tile, 0 before and after).
     x_src / w_src: pointers, or with USE_TMA descriptors of x and w with [BLOCK_M / BLOCK_N, 128] boxes.
-    DEFER adds each group's scaled product one step late, while the next group's dot runs."""
+    QUANTIZE: x is bf16/fp16/fp32, quantized group by group here like quantize_activations
+    (POW2: power-of-two scales); xs is unused. DEFER adds each group's scaled product one step
+    late, while the next group's dot runs."""
     pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
@@ -107,7 +138,7 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_
         x_tile, w_tile = x_src, w_src
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        x_tile = x_src + m0.to(tl.int64) * K + rm[:, None] * K + offs_k[None, :]
+        x_tile = x_src + m0.to(tl.int64) * stride_x + rm[:, None] * stride_x + offs_k[None, :]
         w_tile = w_src + n0.to(tl.int64) * K + rn[:, None] * K + offs_k[None, :]
     xs_ptrs = xs_ptr + (m0 + rm) * num_kb
     if BLOCK_N <= BLOCK_K:  # the tile lies in one 128-row weight block: one scale per group
@@ -122,7 +153,8 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_
         last, last_xs, last_ws = acc, tl.zeros(xs_ptrs.shape, tl.float32), tl.zeros(ws_ptrs.shape, tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     for kb in range(kb_start, tl.minimum(kb_start + kb_per_split, num_kb)):
-        x, w, xs, ws = _load_group(x_tile, w_tile, xs_ptrs, ws_ptrs, kb, m0, n0, K, BLOCK_K, EVEN_K, USE_TMA)
+        x, w, xs, ws = _load_group(x_tile, w_tile, xs_ptrs, ws_ptrs, kb, m0, n0, K, amax_floor, e4m3_max, BLOCK_K,
+                                   EVEN_K, USE_TMA, QUANTIZE, POW2)
         product = _dot(x, w, SWAP_AB)
         if DEFER:
             acc = _add_scaled(acc, last, last_xs, last_ws, SWAP_AB)
@@ -131,17 +163,41 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, M, N, K, num_kb, kb_per_
             acc = _add_scaled(acc, product, xs, ws, SWAP_AB)
     if DEFER:
         acc = _add_scaled(acc, last, last_xs, last_ws, SWAP_AB)
-    out = acc.to(out_ptr.dtype.element_ty)
-    out_ptr += tl.program_id(1).to(tl.int64) * stride_split + m0.to(tl.int64) * N + n0
+    tile = m0.to(tl.int64) * N + n0  # the tile's origin in out and in each part[split]
     tm = tl.arange(0, BLOCK_M)
     tn = tl.arange(0, BLOCK_N)
     if SWAP_AB:
-        ptrs = out_ptr + tm[None, :] * N + tn[:, None]
+        offs = tm[None, :] * N + tn[:, None]
         mask = (tm[None, :] < M - m0) & (tn[:, None] < N - n0)
     else:
-        ptrs = out_ptr + tm[:, None] * N + tn[None, :]
+        offs = tm[:, None] * N + tn[None, :]
         mask = (tm[:, None] < M - m0) & (tn[None, :] < N - n0)
-    tl.store(ptrs, out, mask=mask)
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + tile + offs, acc, mask=mask)
+        if TICKETS:
+            _sum_if_last(part_ptr + tile + offs, out_ptr + tile + offs, mask, stride_split,
+                         tickets_ptr + tl.program_id(0))
+    else:
+        tl.store(out_ptr + tile + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_if_last(part_ptrs, out_ptrs, mask, stride_split, ticket_ptr):
+    """After this program stored its partial tile (at ``part_ptrs + split * stride_split``): take a
+    ticket; the program with the last one adds every split's tile in split order into out_ptrs
+    and resets the counter to 0. The barrier orders every thread's stores before the ticket, the
+    acq_rel atomic publishes them (release) and makes the others' visible to the last program
+    (acquire; its loads bypass L1, "cg", besides)."""
+    splits = tl.num_programs(1)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+    if ticket == splits - 1:
+        total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for _ in range(1, splits):
+            part_ptrs += stride_split
+            total += tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.store(ticket_ptr, 0)
 
 
 @triton.jit
@@ -158,6 +214,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
 
 
 SUM_BLOCK = 1024
+MAX_TICKET_TILES = 1 << 14  # counters a device keeps for fp8_linear's split-K tiles (64 KiB)
 
 
 def _tma_ready(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> bool:
@@ -169,33 +226,77 @@ def _tma_ready(x_fp8: torch.Tensor, w_fp8: torch.Tensor) -> bool:
     return x_fp8.shape[1] % 16 == 0 and x_fp8.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0
 
 
+_counters: dict[torch.device, torch.Tensor] = {}  # device -> fp8_linear's split-K ticket counters
+
+
+def _counters_for(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The device's int32 ticket counters (MAX_TICKET_TILES of them, zeroed once when first
+    needed; every launch leaves them at 0), or None where they cannot serve: more tiles than
+    counters, or none made yet while a CUDA graph is being captured (a buffer made during capture
+    would be zeroed only at replay). Then the launch sums its splits in a second kernel."""
+    if tiles > MAX_TICKET_TILES:
+        return None
+    if device not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            logger.warning("fp8_linear: no split-K counters on %s before a CUDA graph capture; this capture "
+                           "sums the splits in a second kernel", device)
+            return None
+        _counters[device] = torch.zeros(MAX_TICKET_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def _launch(x: torch.Tensor, x_scale: Optional[torch.Tensor], w_fp8: torch.Tensor, w_scale: torch.Tensor,
+            out_dtype: torch.dtype, cfg: GemmConfig, pow2_scales: bool = False) -> torch.Tensor:
+    """``x @ dequant(w)^T`` into a new [M, N] ``out_dtype`` tensor: x e4m3 with ``x_scale``, or
+    float (``x_scale`` None: quantized in the kernel, then split K sums through tickets)."""
+    m, k = x.shape
+    n = w_fp8.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    quantize = x_scale is None
+    num_kb = triton.cdiv(k, GROUP)
+    kb_per_split = triton.cdiv(num_kb, cfg.split_k)
+    splits = triton.cdiv(num_kb, kb_per_split)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    parts = None if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=out.device)
+    tickets = _counters_for(out.device, tiles) if quantize and parts is not None else None
+    use_tma = cfg.tma and not quantize and _tma_ready(x, w_fp8)
+    x_src = TensorDescriptor.from_tensor(x, [cfg.block_m, GROUP]) if use_tma else x
+    w_src = TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, GROUP]) if use_tma else w_fp8
+    _gemm_kernel[(tiles, splits)](  # pointers a variant does not read get out's or x's
+        x_src, x if quantize else x_scale, w_src, w_scale, out, out if parts is None else parts,
+        out if tickets is None else tickets, m, n, k, x.stride(0), num_kb, kb_per_split, m * n, AMAX_FLOOR, E4M3_MAX,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+        DEFER=cfg.defer, EVEN_K=k % GROUP == 0, USE_TMA=use_tma, QUANTIZE=quantize, POW2=pow2_scales,
+        SPLIT=parts is not None, TICKETS=tickets is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if parts is not None and tickets is None:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n, splits, BLOCK=SUM_BLOCK, num_warps=4)
+    return out
+
+
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, config: Optional[GemmConfig] = None) -> torch.Tensor:
     """x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32, w_fp8: [N, K] e4m3, w_scale:
     [ceil(N/128), ceil(K/128)] fp32 -> [M, N] ``out_dtype``. ``config`` overrides the heuristic's
     launch shape (benchmarks sweep it)."""
     m, k = x_fp8.shape
-    n = w_fp8.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x_fp8.device)
-    if out.numel() == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    cfg = config or choose_config(m, n, k, x_fp8.device)
-    num_kb = triton.cdiv(k, GROUP)
-    kb_per_split = triton.cdiv(num_kb, cfg.split_k)
-    splits = triton.cdiv(num_kb, kb_per_split)
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=out.device)
-    use_tma = cfg.tma and _tma_ready(x_fp8, w_fp8)
-    x_src = TensorDescriptor.from_tensor(x_fp8, [cfg.block_m, GROUP]) if use_tma else x_fp8
-    w_src = TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, GROUP]) if use_tma else w_fp8
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _gemm_kernel[grid](
-        x_src, x_scale, w_src, w_scale, target, m, n, k, num_kb, kb_per_split, m * n,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-        DEFER=cfg.defer, EVEN_K=k % GROUP == 0, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](target, out, m * n, splits, BLOCK=SUM_BLOCK,
-                                                             num_warps=4)
-    return out
+    cfg = config or choose_config(m, w_fp8.shape[0], k, x_fp8.device)
+    return _launch(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cfg)
+
+
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, pow2_scales: bool,
+               out_dtype: torch.dtype, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """x: [M, K] bf16/fp16/fp32 (rows may be strided), 0 < M <= DECODE_MAX_M, quantized per token
+    and 128 channels in the kernel (``pow2_scales`` as in quantize_activations); w_fp8, w_scale as in
+    :func:`fp8_gemm` -> [M, N] ``out_dtype``, one launch: quantize_activations then fp8_gemm, bit
+    for bit. ``config`` overrides the heuristic's (swap-AB) launch shape."""
+    m, k = x.shape
+    if not 0 < m <= DECODE_MAX_M:
+        raise ValueError(f"x must have 1..{DECODE_MAX_M} rows (the decode regime), got {list(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    return _launch(x, None, w_fp8, w_scale, out_dtype, config or choose_config(m, w_fp8.shape[0], k, x.device),
+                   pow2_scales)
