@@ -20,7 +20,7 @@ import torch
 from fp8_gemm_cases import SEED, assert_gemm_close, block_scaled, gemm_inputs, generator, weight
 
 from flashdsa.runtime.fp8 import E4M3
-from flashdsa.runtime.gemm import GROUP, fp8_gemm, fp8_linear, quantize_activations, quantize_weight
+from flashdsa.runtime.gemm import GROUP, fp8_gemm, fp8_linear, one_launch_pays, quantize_activations, quantize_weight
 from flashdsa.runtime.gemm.triton.configs import V32_LINEAR_SHAPES, GemmConfig, candidates
 from flashdsa.testing import flood_cuda_allocator_with_nan, kernel_test_main, poisoned_empty, run_under_interpreter
 
@@ -222,6 +222,17 @@ def test_fp8_linear_is_sync_free_and_replays_in_a_cuda_graph(m):
     assert torch.equal(captured, eager)
 
 
+def test_one_launch_is_taken_only_where_the_h100_measured_it_faster():
+    """bench_gemm --one-launch on an H100: faster for V3.2's kv_a (4.1 MB) and wk at 1 and 4 tokens;
+    slower for q_a (11 MB) and up, and at 32 tokens for every layer."""
+    fits = {name: one_launch_pays(m, *V32_LINEAR_SHAPES[name]) for name in ("kv_a", "wk", "q_a", "o_proj")
+            for m in (1, 4, 32)}
+    assert one_launch_pays(1, *V32_LINEAR_SHAPES["kv_a"]) and one_launch_pays(4, *V32_LINEAR_SHAPES["wk"])
+    assert not any(one_launch_pays(32, *V32_LINEAR_SHAPES[name]) for name in ("kv_a", "wk")), fits
+    assert not any(one_launch_pays(m, *V32_LINEAR_SHAPES[name]) for name in ("q_a", "o_proj") for m in (1, 4)), fits
+    assert not one_launch_pays(0, 128, 128)
+
+
 @pytest.mark.gpu
 def test_one_launch_linear_matches_quantize_then_gemm_over_many_split_k_launches():
     """200 launches of random decode shapes (M 2..64, split K 2..8, N off multiples of 64, K a
@@ -245,13 +256,15 @@ def test_one_launch_linear_matches_quantize_then_gemm_over_many_split_k_launches
 
 @pytest.mark.gpu
 def test_one_launch_linear_replays_in_a_cuda_graph():
-    """Two split-K one-launch linears (V3.2's shared_down then q_a at M = 4, chained) captured once
-    and replayed five times on new inputs: each replay equals the eager calls, and the ticket
-    counters are back at 0."""
+    """Two split-K one-launch linears (4 MiB then 1.2 MB e4m3 weights, K = 2048: 4 splits each, at
+    M = 4, chained, small enough that fp8_linear takes the one launch) captured once and replayed
+    five times on new inputs: each replay equals the eager calls, and the ticket counters are back at 0."""
     from flashdsa.runtime.gemm.triton import gemm as kernels
 
-    layers = [weight(*V32_LINEAR_SHAPES[name], str(cuda)) for name in ("shared_down", "q_a")]
-    x = torch.empty(4, V32_LINEAR_SHAPES["shared_down"][1], dtype=torch.bfloat16, device=cuda)
+    shapes = [(2048, 2048), (576, 2048)]
+    assert all(one_launch_pays(4, n, k) for n, k in shapes)
+    layers = [weight(n, k, str(cuda)) for n, k in shapes]
+    x = torch.empty(4, shapes[0][1], dtype=torch.bfloat16, device=cuda)
 
     def forward() -> list[torch.Tensor]:
         outs = [fp8_linear(x, *layers[0], pow2_scales=True, backend="triton")]

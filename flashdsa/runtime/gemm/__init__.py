@@ -140,8 +140,9 @@ def fp8_gemm_backend(m: int, n: int, k: int, device: torch.device, out_dtype: to
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, pow2_scales: bool = False,
                backend: Optional[str] = None) -> torch.Tensor:
     """``x: [..., K]`` float through the block-scaled e4m3 weight ``w_fp8: [N, K]`` -> ``[..., N]`` in x's dtype:
-    :func:`quantize_activations` then :func:`fp8_gemm`. Where both run on Triton and the tokens are
-    the GEMM's decode regime (1..64), that is one kernel (``triton/gemm.py``) with the same bits."""
+    :func:`quantize_activations` then :func:`fp8_gemm`. Where both run on Triton and one launch pays
+    (:func:`one_launch_pays`: a few tokens through a small weight), that is one kernel
+    (``triton/gemm.py``) with the same bits."""
     check(isinstance(x, torch.Tensor) and x.dim() >= 1, f"x must be a tensor [..., K], got {type(x).__name__}")
     x2 = x.reshape(-1, x.shape[-1])
     check_tensor("x", x2, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [..., K]", contiguous=False)
@@ -157,14 +158,22 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, p
     return y.view(*x.shape[:-1], w_fp8.shape[0])
 
 
-def _one_launch(x: torch.Tensor, w_fp8: torch.Tensor, backend: Optional[str]) -> bool:
-    """Whether :func:`fp8_linear` runs as the one Triton kernel: both ops chose Triton and M is
-    in the GEMM's decode regime."""
-    (m, k), n = x.shape, w_fp8.shape[0]
-    if m == 0 or fp8_gemm_backend(m, n, k, x.device, x.dtype, backend=backend) != "triton":
-        return False
-    if dispatch.choose("quantize_activations", x.device, backend) != "triton":
-        return False
-    from flashdsa.runtime.gemm.triton.configs import DECODE_MAX_M
+ONE_LAUNCH_MAX_M = 4
+ONE_LAUNCH_MAX_WEIGHT_BYTES = 6 << 20
 
-    return m <= DECODE_MAX_M
+
+def one_launch_pays(m: int, n: int, k: int) -> bool:
+    """Whether the one-launch linear beats quantize + GEMM (+ split sum) at ``[m, k] x [n, k]^T``.
+    Measured on an H100 (``bench_gemm.py --one-launch``, every program re-quantizing its activation
+    tile in integer arithmetic): 1.1-1.2x for e4m3 weights of 0.9-4 MB at 1-4 tokens, where the
+    launches it saves dominate; 0.8-0.99x from 11 MB up and 0.6-0.9x at 32 tokens."""
+    return 0 < m <= ONE_LAUNCH_MAX_M and n * k <= ONE_LAUNCH_MAX_WEIGHT_BYTES
+
+
+def _one_launch(x: torch.Tensor, w_fp8: torch.Tensor, backend: Optional[str]) -> bool:
+    """Whether :func:`fp8_linear` runs as the one Triton kernel: it pays at this shape
+    (:func:`one_launch_pays`) and both ops chose Triton."""
+    (m, k), n = x.shape, w_fp8.shape[0]
+    if not one_launch_pays(m, n, k) or fp8_gemm_backend(m, n, k, x.device, x.dtype, backend=backend) != "triton":
+        return False
+    return dispatch.choose("quantize_activations", x.device, backend) == "triton"
