@@ -16,7 +16,7 @@ max_tokens is not scheduled again. The schedule itself can differ from the synch
 (a finished sequence still holds its place and blocks for one more step); the tokens do not.
 
 Speculative decode steps (MTP drafts) overlap the same way. Step n verifies each sequence's draft
-and the MTP layer drafts the next, on the device (``speculative.verify_greedy_on_device``); it
+and the MTP layer drafts the next, on the device (``speculative.verify_on_device``); it
 yields one token or two per sequence, which the host learns only when it reads step n back. So
 step n+1 is built for both outcomes: the scheduler plans each such sequence as if its draft were
 rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft``), the runner
@@ -35,8 +35,8 @@ as without async scheduling) when
   the previous token),
 - a chunk wants prompt logprobs, or a prompt-only request (max_tokens=0) reaches its end,
 - the engine decodes speculatively and the step is not a decode step (one token plus a draft
-  each) of plain greedy requests (``speculative.plain_greedy``): a prefill or mixed step, a
-  sampled request (its rejection sampling draws on the host), logprobs, logit bias,
+  each) of plain requests (``speculative.plain_request``): a prefill or mixed step, a seeded
+  sampled request (its host generator's draws depend on the outcome), logprobs, logit bias,
   penalties, grammars, min_tokens pending,
 - the engine runs tensor parallel (the other ranks take their input ids from rank 0's host),
 - its overlapped launch raised (a failing forward or sampler): the synchronous path then runs it
@@ -55,7 +55,7 @@ import torch
 from flashdsa.runtime.sampler import as_token_logprobs, logprob_tensors, penalised, sample
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import TokenLogprobs
-from flashdsa.runtime.speculative import GreedyVerdict, verifiable_on_device, verify_greedy_on_device
+from flashdsa.runtime.speculative import DeviceVerdict, verifiable_on_device, verify_on_device
 from flashdsa.runtime.transfer import HostCopy, TokenFill, tensor_on
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class InFlightStep:
     logprob_rows: list[int]
     num_top: list[int]
     copy: HostCopy
-    verdict: Optional[GreedyVerdict] = None
+    verdict: Optional[DeviceVerdict] = None
 
     def results(self) -> list[NewTokens]:
         """Each chunk's new tokens and their logprobs (None where not asked); waits for the copy."""
@@ -134,7 +134,7 @@ def launch_sampling(chunks: list[ScheduledChunk], step_logits: "StepLogits") -> 
 def launch_verification(chunks: list[ScheduledChunk], step_logits: "StepLogits", runner: "ModelRunner") -> InFlightStep:
     """Verify a speculative decode step (``verifiable_on_device``) and draft the next one on the
     device, and queue the copy of the outcome to the host; nothing waits for the GPU."""
-    verdict = verify_greedy_on_device(runner, step_logits.logits)
+    verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks])
     return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)},
                         torch.cat([verdict.last_tokens(), verdict.drafts]), [], [], verdict.copy, verdict)
 

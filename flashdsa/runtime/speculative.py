@@ -26,7 +26,7 @@ import torch
 from flashdsa.runtime.sampler import adjust_logits, adjusts_logits, draw, sample, sampled_logprobs, sampling_probs
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import Sequence, SequenceStatus, TokenLogprobs
-from flashdsa.runtime.transfer import HostCopy
+from flashdsa.runtime.transfer import HostCopy, tensor_on
 
 if TYPE_CHECKING:
     from flashdsa.runtime.model_runner import ModelRunner
@@ -85,14 +85,19 @@ def verify_drafts(
     if sampled:
         rows = torch.tensor(sampled, device=device)
         sub = [seqs[i] for i in sampled]
-        probs = sampling_probs(logits[rows], sub)
-        d = draft[rows]
-        has_draft = d >= 0
-        p_draft = torch.where(has_draft, probs.gather(1, d.clamp_min(0)[:, None])[:, 0], 0.0)
-        accept = _uniform(sub, device) < p_draft
-        without_draft = probs.scatter(1, d.clamp_min(0)[:, None], 0.0) * has_draft[:, None] + probs * ~has_draft[:, None]
-        tokens[rows] = torch.where(accept, d, draw(without_draft, sub))
+        tokens[rows] = accept_or_resample(sampling_probs(logits[rows], sub), draft[rows], sub)
     return tokens, (tokens == draft) & (draft >= 0)
+
+
+def accept_or_resample(probs: torch.Tensor, draft: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """t_n ``[N]`` of sampled rows with sampler distributions ``probs: [N, vocab]``: the draft
+    ``draft[i]`` with probability p(d), else a draw from p without d (-1: no draft, a plain draw)."""
+    has_draft = draft >= 0
+    d = draft.clamp_min(0)[:, None]
+    p_draft = torch.where(has_draft, probs.gather(1, d)[:, 0], 0.0)
+    accept = _uniform(seqs, probs.device) < p_draft
+    without_draft = torch.where(has_draft[:, None], probs.scatter(1, d, 0.0), probs)
+    return torch.where(accept, draft, draw(without_draft, seqs))
 
 
 def sample_bonus(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int]) -> torch.Tensor:
@@ -133,24 +138,28 @@ def mtp_inputs(chunks: list[ScheduledChunk], new_tokens: dict[int, list[int]]):
     return next_ids, rows, owners
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Greedy, no logprobs, and nothing that reshapes its logits (``sampler.adjusts_logits``): its
-    tokens are plain argmaxes, which the device can verify alone."""
-    return seq.params.greedy and seq.params.logprobs is None and not adjusts_logits(seq)
+def plain_request(seq: Sequence) -> bool:
+    """No logprobs, nothing that reshapes its logits (``sampler.adjusts_logits``), and greedy or
+    unseeded: its tokens are argmaxes or draws from the device's own generator, which the device
+    can verify alone. (A seeded request draws from its host generator in an order that depends on
+    whether its draft held, so it is verified once the host knows.)"""
+    plain = seq.params.logprobs is None and not adjusts_logits(seq)
+    return plain and (seq.params.greedy or seq.generator is None)
 
 
 def verifiable_on_device(chunks: list[ScheduledChunk]) -> bool:
-    """Every chunk runs one token plus a draft and samples, for a ``plain_greedy`` request: the
-    step can be verified and drafted on the device alone (``verify_greedy_on_device``)."""
-    return all(c.num_tokens == 1 and c.draft is not None and c.samples and plain_greedy(c.seq) for c in chunks)
+    """Every chunk runs one token plus a draft and samples, for a ``plain_request``: the step can
+    be verified and drafted on the device alone (``verify_on_device``)."""
+    return all(c.num_tokens == 1 and c.draft is not None and c.samples and plain_request(c.seq) for c in chunks)
 
 
 @dataclass
-class GreedyVerdict:
+class DeviceVerdict:
     """A decode step verified and drafted on the device, its copy to the host under way.
 
-    picks: [2N] int64, the argmax of each logits row (t_n, then t_{n+1} should the draft hold);
-    accepted: [N] bool, whose draft held; drafts: [N] int64, the MTP layer's next draft of each."""
+    picks: [2N] int64, each chunk's t_n, then the t_{n+1} it keeps should its draft hold (argmaxes
+    for greedy requests, draws for sampled ones); accepted: [N] bool, whose draft held; drafts:
+    [N] int64, the MTP layer's next draft of each."""
 
     picks: torch.Tensor
     accepted: torch.Tensor
@@ -169,20 +178,30 @@ class GreedyVerdict:
         return [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)], values[3 * n :]
 
 
-def verify_greedy_on_device(runner: "ModelRunner", logits: torch.Tensor) -> GreedyVerdict:
-    """Queue the verification of a ``verifiable_on_device`` step, flat tokens [t_0, d_0, t_1, d_1,
-    ...] and logits rows in the same order: t_n = argmax of a chunk's first row, t_{n+1} = argmax
-    of its second when d = t_n; the MTP layer's next draft is drafted from the same device tensors
-    (its inputs never visit the host), so the step reads the device once instead of four times.
-    Nothing here waits for the GPU."""
+def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Sequence]) -> DeviceVerdict:
+    """Queue the verification of a ``verifiable_on_device`` step of ``seqs``, flat tokens [t_0, d_0,
+    t_1, d_1, ...] and logits rows in the same order. Greedy: t_n = argmax of a chunk's first row,
+    t_{n+1} = argmax of its second. Sampled: t_n by rejection sampling of the draft (module
+    docstring), t_{n+1} drawn from the second row whatever the outcome (kept only if the draft
+    holds: the draw does not bias which). A draft holds when d = t_n. The MTP layer's next draft is
+    drafted from the same device tensors (its inputs never visit the host), so the step reads the
+    device once instead of four times. Nothing here waits for the GPU."""
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        rows = tensor_on(sampled, torch.int64, logits.device)
+        sub = [seqs[i] for i in sampled]
+        pairs = logits.view(-1, 2, logits.shape[1]).index_select(0, rows)  # [S, 2, vocab]
+        first = accept_or_resample(sampling_probs(pairs[:, 0], sub), drafts.index_select(0, rows), sub)
+        second = draw(sampling_probs(pairs[:, 1], sub), sub)
+        picks.view(-1, 2).index_copy_(0, rows, torch.stack([first, second], dim=1))
     accepted = picks[0::2] == drafts
     # MTP inputs: the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if accepted);
     # each sequence drafts from its last committed token.
     rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
     next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    return GreedyVerdict(picks, accepted, next_drafts, HostCopy([torch.cat([picks, accepted.long(), next_drafts])]))
+    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([torch.cat([picks, accepted.long(), next_drafts])]))
 
 
 class Speculation:
@@ -196,14 +215,14 @@ class Speculation:
         self.num_accepted_tokens = 0  # of which accepted
 
     def verify_on_device(self, chunks: list[ScheduledChunk], sampling: list, logits: torch.Tensor) -> Optional[list]:
-        """A decode step of plain greedy requests only (every chunk samples, with a draft): verify
-        and draft on the device in one read-back (``verify_greedy_on_device``): each chunk's (new
-        tokens, their logprobs). None when the step does not qualify or that fails (the engine's
-        general path then runs)."""
+        """A decode step of plain requests only (every chunk samples, with a draft): verify and
+        draft on the device in one read-back (``verify_on_device``): each chunk's (new tokens, their
+        logprobs). None when the step does not qualify or that fails (the engine's general path
+        then runs)."""
         if not (len(sampling) == len(chunks) and verifiable_on_device(chunks)):
             return None
         try:
-            tokens, drafts = verify_greedy_on_device(self.runner, logits).outcome
+            tokens, drafts = verify_on_device(self.runner, logits, [c.seq for c in chunks]).outcome
         except Exception:
             logger.exception("verifying %d drafts on the device failed; using the general path", len(chunks))
             return None

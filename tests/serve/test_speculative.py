@@ -10,7 +10,7 @@ from flashdsa.models.tiny import make_tiny_checkpoint
 from flashdsa.runtime.llm import LLM
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.sequence import Sequence
-from flashdsa.runtime.speculative import sample_bonus, verify_drafts
+from flashdsa.runtime.speculative import sample_bonus, verify_drafts, verify_on_device
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def test_device_verification_matches_the_general_path(mtp_checkpoint, monkeypatc
     from flashdsa.runtime import speculative as speculative_module
 
     calls = []
-    verify = speculative_module.verify_greedy_on_device
-    monkeypatch.setattr(speculative_module, "verify_greedy_on_device", lambda *a: calls.append(1) or verify(*a))
+    verify = speculative_module.verify_on_device
+    monkeypatch.setattr(speculative_module, "verify_on_device", lambda *a: calls.append(1) or verify(*a))
     options = dict(mode="reference", num_blocks=10, max_num_seqs=6, max_num_batched_tokens=96, speculative_tokens=1)
     prompts = _prompts(8)
     results = {}
@@ -131,6 +131,47 @@ def test_rejection_sampling_reproduces_the_target_distribution(params):
     bonus = sample_bonus(second.expand(len(won), vocab).clone(), [seqs[j] for j in won], [drafts[j] for j in won])
     assert all(len(seqs[j]) == 3 for j in won)  # the draft was only borrowed
     _assert_matches(torch.bincount(bonus, minlength=vocab).float(), _target(second, seqs[0]))
+
+
+class _Runner:
+    """What verify_on_device asks of the model runner: the step's flat input ids [t_0, d_0, ...]
+    and the MTP layer's logits for its next drafts (a constant here)."""
+
+    def __init__(self, drafts: list[int]):
+        self.flat = torch.tensor([x for d in drafts for x in (0, d)])
+
+    def last_input_ids(self) -> torch.Tensor:
+        return self.flat
+
+    def draft(self, picks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(rows.numel(), 4)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_device_verification_of_sampled_requests_reproduces_the_target_distribution(params):
+    """The on-device path (unseeded sampled requests, overlapped under async scheduling): whatever
+    the draft, t_n follows p; the t_{n+1} kept after an accepted draft follows its row's; greedy
+    rows in the same step take their argmaxes."""
+    vocab, draws = 8, 6000
+    gen = torch.Generator().manual_seed(1)
+    first, second = torch.randn(vocab, generator=gen) * 1.5, torch.randn(vocab, generator=gen) * 1.5
+    seqs = [Sequence(str(i), [1, 2, 3], SamplingParams(**params), max_tokens=10) for i in range(draws)]
+    seqs[0] = Sequence("greedy", [1, 2, 3], SamplingParams(temperature=0), max_tokens=10)
+    assert all(s.generator is None for s in seqs)
+    drafts = [i % vocab for i in range(draws)]
+    logits = torch.stack([first, second]).repeat(draws, 1)  # rows [t_n, t_{n+1}] of each chunk
+    torch.manual_seed(5)
+    verdict = verify_on_device(_Runner(drafts), logits, seqs)
+    picks = verdict.picks.view(-1, 2)
+    assert picks[0, 0] == first.argmax() and picks[0, 1] == second.argmax()
+    assert torch.equal(verdict.accepted, picks[:, 0] == torch.tensor(drafts))
+    tokens, kept = picks[1:, 0], picks[1:, 1][verdict.accepted[1:]]
+    for d in range(vocab):
+        _assert_matches(torch.bincount(tokens[torch.arange(d + vocab - 1, draws - 1, vocab)], minlength=vocab).float(),
+                        _target(first, seqs[1]))
+    rate = verdict.accepted[1:].float().mean().item()  # E_d[p(d)] = 1 / vocab for uniform drafts
+    assert abs(rate - 1 / vocab) < 4 * (1 / vocab / draws) ** 0.5
+    _assert_matches(torch.bincount(kept, minlength=vocab).float(), _target(second, seqs[1]))
 
 
 def test_greedy_verification_accepts_exactly_the_argmax():

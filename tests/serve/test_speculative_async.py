@@ -167,6 +167,22 @@ def test_requests_that_need_the_host_run_synchronously_among_overlapped_ones(def
     assert probes["behind"] > 5 and probes["resolved"] > 0 and engine.block_manager.num_used_blocks == 0, probes
 
 
+def test_unseeded_sampled_requests_overlap_their_speculative_steps(default_model, probes):
+    """Sampled requests without a seed verify their drafts on the device (rejection sampling there),
+    so their decode steps run behind each other; every request gets its max_tokens, drafts are
+    accepted about as often as under greedy decoding, and no block stays behind."""
+    requests = [(at, rid, prompt, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=params.max_tokens,
+                                                 ignore_eos=True))
+                for at, rid, prompt, params in _requests(default_model[1])]
+    engine = _engine(default_model, "speculative+async")
+    results = run_engine(engine, requests)
+    for _, rid, _, params in requests:
+        assert len(results[rid]["tokens"]) == params.max_tokens and results[rid]["end"][0] == "length", rid
+    assert probes["launches"] > 10 and probes["behind"] > 20 and 0 < probes["accepted"] < probes["behind"], probes
+    assert 0 < engine.num_accepted_tokens < engine.num_draft_tokens
+    assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.running
+
+
 def test_tiny_checkpoint_decodes_the_same_with_overlapped_speculation(tiny_mtp, probes):
     _, tok = tiny_mtp
     prompts = [[(11 * i + 3 * j) % 300 + 4 for j in range(20 + 37 * i)] for i in range(4)]
