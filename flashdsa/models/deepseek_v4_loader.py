@@ -123,6 +123,11 @@ def official_tensors(config: DeepseekV4Config, tensors: dict[str, torch.Tensor])
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _packed_fp4(kind: str, name: str) -> bool:
+    """Whether a tensor of safetensors dtype ``kind`` is a routed expert's packed FP4 weight."""
+    return kind in FP4 and ".experts." in name
+
+
 def read_float(f, name: str, where: dict[str, Path], rows: slice | None = None) -> torch.Tensor:
     """Rows ``rows`` (``[start, stop)`` of dim 0; None: all) of tensor ``name`` of the open file ``f``
     as stored, or as fp32 for an e4m3 weight (with the 128-row block scales over those rows) or an
@@ -130,7 +135,7 @@ def read_float(f, name: str, where: dict[str, Path], rows: slice | None = None) 
     each element is dequantized by its own block's scale, so a part equals those rows of the whole."""
     part = f.get_slice(name)
     kind = part.get_dtype()
-    fp4 = kind in FP4 and ".experts." in name
+    fp4 = _packed_fp4(kind, name)
     t = part[() if rows is None else rows]
     if kind != FP8 and not fp4:
         return t
@@ -186,6 +191,13 @@ class V4Checkpoint:
                     yield f, name, target if target is not None and target[0] in names else None
         if skipped:
             logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not loaded)", skipped)
+
+    def shape(self, f, name: str) -> list[int]:
+        """The shape of tensor ``name`` of the open file ``f`` as :meth:`read` gives it (from its
+        header: a packed FP4 weight holds two values a byte)."""
+        part = f.get_slice(name)
+        shape = list(part.get_shape())
+        return [*shape[:-1], 2 * shape[-1]] if _packed_fp4(part.get_dtype(), name) else shape
 
     def read(self, f, name: str, rows: slice | None = None) -> torch.Tensor:
         """Rows ``rows`` (None: all) of weight ``name`` of the open file ``f``, dequantized (:func:`read_float`)."""

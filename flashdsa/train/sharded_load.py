@@ -87,6 +87,7 @@ class _Source:
     slots: dict[str, Slot]  # the model's name for a checkpoint tensor (a key) -> its slot
     expected: set[str]  # the keys that must be loaded
     weights: Iterable[tuple[Any, str, Optional[str]]]  # (open file, checkpoint name, key or None: not the model's)
+    shape: Callable[[Any, str], list[int]]  # a checkpoint tensor's shape as read, from its header
     read: Callable[[Any, str, slice], torch.Tensor]  # rows [start, stop) of a checkpoint tensor, as float
     covers: Callable[[str], set[str]]  # a loaded key -> the expected keys it fills
     architecture: str
@@ -106,7 +107,8 @@ def _v32_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
         return t if scale is None else dequantize_blocks(t, scale, checkpoint.block, (rows.start, 0))
     targets = slots(model)
     expected = {key for key in targets if not (fresh_mtp and key.startswith("model.mtp."))}
-    return _Source(model, targets, expected, checkpoint.weights(mtp, progress), read, lambda key: {key}, "DeepSeek-V3.2")
+    return _Source(model, targets, expected, checkpoint.weights(mtp, progress),
+                   lambda f, name: list(f.get_slice(name).get_shape()), read, lambda key: {key}, "DeepSeek-V3.2")
 
 
 def _v4_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
@@ -125,7 +127,7 @@ def _v4_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
 
     def covers(key: str) -> set[str]:
         return set(v4_loader.pieces(key, shapes[key])) if key in shapes else {key}
-    return _Source(model, v4_slots(model), expected, weights, checkpoint.read, covers, "DeepSeek-V4")
+    return _Source(model, v4_slots(model), expected, weights, checkpoint.shape, checkpoint.read, covers, "DeepSeek-V4")
 
 
 def _shape(whole: torch.Size, slot: Slot) -> list[int]:
@@ -154,7 +156,7 @@ def load_shards(path: str | Path, world: World, fresh_mtp: bool = False) -> nn.M
         if slot is None:
             unexpected.append(name)
             continue
-        shape, expected = list(f.get_slice(name).get_shape()), _shape(shapes[slot.tensor], slot)
+        shape, expected = source.shape(f, name), _shape(shapes[slot.tensor], slot)
         if shape != expected:
             misshaped.append(f"{key}: expected {expected}, got {shape}")
             continue
