@@ -14,7 +14,8 @@ Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.sc
 fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the routed experts FP4
 (``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
 inputs, ``runtime.fp4``). In reference mode (and with ``keep_fp8=False``) they are dequantized one
-tensor at a time into the model's storage. In production mode they stay as stored: FP8 linears
+tensor at a time into the model's storage; :class:`V4Checkpoint` also reads any row range of a
+tensor, dequantized bit for bit as the whole (each FSDP rank's rows: ``train.sharded_load``). In production mode they stay as stored: FP8 linears
 run the block-scaled FP8 GEMM, the official layout's FP8 or FP4 routed experts ``fused_moe``'s FP8
 or FP4 path (``deepseek_v4_quant`` says which modules, and the exceptions), so the model holds
 about the checkpoint's bytes.
@@ -143,14 +144,16 @@ def read_float(f, name: str, where: dict[str, Path], rows: slice | None = None) 
     if scale is None:
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} has no scales ({name.removesuffix('.weight')}.scale "
                          f"or {name}_scale_inv)")
+    if not fp4 and t.dim() != 2:
+        raise ValueError(f"FP8 tensor {name} is {list(t.shape)}: only 2-D e4m3 weights with 128x128 block scales "
+                         f"are read (stacked FP8 experts come per expert, as the official layout stores them)")
     with safe_open(where[scale], framework="pt") as g:
         scales = g.get_slice(scale)
         if fp4:
             return dequantize_fp4(t.view(torch.uint8), scales[() if rows is None else rows])
-        if rows is None:
-            return dequantize_blocks(t, scales[()].float(), (GROUP, GROUP))
-        blocks = scales[rows.start // GROUP: -(-rows.stop // GROUP)]
-        return dequantize_blocks(t, blocks.float(), (GROUP, GROUP), (rows.start, 0))
+        start, stop = (0, t.shape[0]) if rows is None else (rows.start, rows.stop)
+        blocks = scales[start // GROUP: -(-stop // GROUP)]  # the 128-row blocks over rows [start, stop)
+        return dequantize_blocks(t, blocks.float(), (GROUP, GROUP), (start, 0))
 
 
 def _index(files: list[Path]) -> tuple[dict[str, Path], dict[str, str]]:

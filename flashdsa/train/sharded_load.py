@@ -74,8 +74,8 @@ def v4_slots(model: nn.Module) -> dict[str, Slot]:
         out[name] = Slot(name)
         for key, (expert, half) in v4_loader.pieces(name, t.shape).items():
             if expert is not None:
-                rows = t.shape[1] // 2
-                out[key] = Slot(name, expert, slice(None) if half is None else slice(half * rows, (half + 1) * rows))
+                n = t.shape[1] // 2  # rows of each half of gate_up_proj
+                out[key] = Slot(name, expert, slice(None) if half is None else slice(half * n, (half + 1) * n))
     return out
 
 
@@ -94,6 +94,8 @@ class _Source:
 
 
 def _v32_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
+    """A DeepSeek-V3.2 checkpoint (``loader.Checkpoint``): FP8 weights cut inside a 128-row scale
+    block come dequantized, on whole blocks as e4m3 with their scale rows (dequantized here)."""
     config = DeepseekV32Config.from_json(path)
     mtp = config.num_nextn_predict_layers > 0
     with torch.device("meta"):
@@ -112,6 +114,9 @@ def _v32_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
 
 
 def _v4_source(path: Path, fresh_mtp: bool, progress: bool) -> _Source:
+    """A DeepSeek-V4 checkpoint (``deepseek_v4_loader.V4Checkpoint``), official or transformers
+    layout; its keys are ``deepseek_v4_loader.piece`` names (a stacked tensor read whole covers all
+    of its experts' pieces)."""
     config = DeepseekV4Config.from_json(path)
     mtp = config.num_nextn_predict_layers
     with torch.device("meta"):

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from flashdsa.models import deepseek_v4_loader, loader
 from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
@@ -27,7 +27,7 @@ from flashdsa.models.tiny import make_tiny_checkpoint
 from flashdsa.train.architecture import load_trainable
 from flashdsa.train.checkpoint import save_model
 from flashdsa.train.distributed import World, own_rows
-from flashdsa.train.sharded_load import load_for_training
+from flashdsa.train.sharded_load import load_for_training, load_shards
 
 MTP_SEED = 5  # the bf16 checkpoints have no MTP layer: they get a fresh one, as --add-mtp-layer does
 BUFFERS = ("e_score_correction_bias", "tid2eid", "ffn.gate.bias")  # whole on every rank
@@ -175,3 +175,18 @@ def test_each_rank_loads_its_rows_of_the_one_process_model_and_reads_no_more(che
                 assert rows == [0] * size, name  # the MTP layer's copies of the embedding and head
             else:
                 assert sum(rows) == shape[0] and largest <= math.ceil(shape[0] / size), (name, rows)
+
+
+def test_a_v4_checkpoint_missing_unexpected_or_misshaped_tensors_is_refused_naming_them(checkpoints, tmp_path):
+    path, _ = checkpoints["v4_fresh_mtp"]
+    weights = load_file(path / "model.safetensors")
+    del weights["layers.2.ffn.experts.1.w3.weight"]
+    weights["layers.0.attn.wq_a.weight"] = weights["layers.0.attn.wq_a.weight"][:5]
+    weights["layers.0.attn.bogus"] = torch.zeros(1)
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError) as error:
+        load_shards(tmp_path, World())  # one rank: the same walk, every row its own
+    for part in ("does not match the DeepSeek-V4 model", "model.layers.2.mlp.experts.gate_up_proj[1]1",
+                 "layers.0.attn.bogus", "model.layers.0.self_attn.q_a_proj.weight: expected [32, 64], got [5, 64]"):
+        assert part in str(error.value)
