@@ -144,9 +144,10 @@ def read_float(f, name: str, where: dict[str, Path], rows: slice | None = None) 
     if scale is None:
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} has no scales ({name.removesuffix('.weight')}.scale "
                          f"or {name}_scale_inv)")
-    if not fp4 and t.dim() != 2:
-        raise ValueError(f"FP8 tensor {name} is {list(t.shape)}: only 2-D e4m3 weights with 128x128 block scales "
-                         f"are read (stacked FP8 experts come per expert, as the official layout stores them)")
+    if t.dim() != 2:
+        raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} is {list(t.shape)}: only 2-D quantized weights are "
+                         f"dequantized (stacked quantized experts must come one per tensor, as the official layout "
+                         f"stores them)")
     with safe_open(where[scale], framework="pt") as g:
         scales = g.get_slice(scale)
         if fp4:

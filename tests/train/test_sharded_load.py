@@ -24,6 +24,7 @@ from flashdsa.models import deepseek_v4_loader, loader
 from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.models.tiny import make_tiny_checkpoint
+from flashdsa.runtime.fp4 import quantize_fp4
 from flashdsa.train.architecture import load_trainable
 from flashdsa.train.checkpoint import save_model
 from flashdsa.train.distributed import World, own_rows
@@ -190,3 +191,18 @@ def test_a_v4_checkpoint_missing_unexpected_or_misshaped_tensors_is_refused_nami
     for part in ("does not match the DeepSeek-V4 model", "model.layers.2.mlp.experts.gate_up_proj[1]1",
                  "layers.0.attn.bogus", "model.layers.0.self_attn.q_a_proj.weight: expected [32, 64], got [5, 64]"):
         assert part in str(error.value)
+
+
+def test_stacked_quantized_v4_experts_are_refused_naming_the_tensor(checkpoints, tmp_path):
+    """transformers' layout stacks the experts: FP4 (or FP8) stacks cannot be dequantized as 2-D weights."""
+    path, _ = checkpoints["v4_transformers"]
+    weights = load_file(path / "model.safetensors")
+    name = "model.layers.2.mlp.experts.gate_up_proj"
+    stack = weights[name]
+    packed, scale = quantize_fp4(stack.reshape(-1, stack.shape[-1]))
+    weights[name] = packed.view(*stack.shape[:2], -1)
+    weights[name + SCALE_SUFFIX] = scale.view(*stack.shape[:2], -1)
+    save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError, match=rf"FP4 tensor {name} is \[4, 64, 32\]: only 2-D quantized weights"):
+        load_shards(tmp_path, World())
