@@ -15,10 +15,10 @@ fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the rout
 (``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
 inputs, ``runtime.fp4``). In reference mode (and with ``keep_fp8=False``) they are dequantized one
 tensor at a time into the model's storage; :class:`V4Checkpoint` also reads any row range of a
-tensor, dequantized bit for bit as the whole (each FSDP rank's rows: ``train.sharded_load``). In production mode they stay as stored: FP8 linears
-run the block-scaled FP8 GEMM, the official layout's FP8 or FP4 routed experts ``fused_moe``'s FP8
-or FP4 path (``deepseek_v4_quant`` says which modules, and the exceptions), so the model holds
-about the checkpoint's bytes.
+tensor, dequantized bit for bit as the whole (each FSDP rank's rows: ``train.sharded_load``). In
+production mode they stay as stored: FP8 linears run the block-scaled FP8 GEMM, the official
+layout's FP8 or FP4 routed experts ``fused_moe``'s FP8 or FP4 path (``deepseek_v4_quant`` says
+which modules, and the exceptions), so the model holds about the checkpoint's bytes.
 """
 
 from __future__ import annotations
