@@ -14,10 +14,11 @@ Weights are bf16/fp32, or FP8 e4m3 with one scale per 128x128 block (``<name>.sc
 fp32, officially; ``<name>_scale_inv`` in transformers' layout), or for the routed experts FP4
 (``expert_dtype: fp4``, as DeepSeek ships V4: e2m1 pairs packed in int8 with a UE8M0 scale per 32
 inputs, ``runtime.fp4``). In reference mode (and with ``keep_fp8=False``) they are dequantized one
-tensor at a time into the model's storage. In production mode they stay as stored: FP8 linears
-run the block-scaled FP8 GEMM, the official layout's FP8 or FP4 routed experts ``fused_moe``'s FP8
-or FP4 path (``deepseek_v4_quant`` says which modules, and the exceptions), so the model holds
-about the checkpoint's bytes.
+tensor at a time into the model's storage; :class:`V4Checkpoint` also reads any row range of a
+tensor, dequantized bit for bit as the whole (each FSDP rank's rows: ``train.sharded_load``). In
+production mode they stay as stored: FP8 linears run the block-scaled FP8 GEMM, the official
+layout's FP8 or FP4 routed experts ``fused_moe``'s FP8 or FP4 path (``deepseek_v4_quant`` says
+which modules, and the exceptions), so the model holds about the checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.models.deepseek_v4_quant import FP4, FP8, keep_quantized, read_quantized, scale_name
 from flashdsa.models.linear import SCALE_SUFFIX
-from flashdsa.models.loader import checkpoint_files, dequantize_blocks
+from flashdsa.models.loader import check_complete, checkpoint_files, dequantize_blocks
 from flashdsa.runtime.fp4 import dequantize_fp4
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
@@ -123,21 +124,37 @@ def official_tensors(config: DeepseekV4Config, tensors: dict[str, torch.Tensor])
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _read(f, name: str, where: dict[str, Path]) -> torch.Tensor:
-    """Tensor ``name`` of the open file ``f`` as float: e4m3 weights dequantized with their block scales."""
-    kind = f.get_slice(name).get_dtype()
-    fp4 = kind in FP4 and ".experts." in name
-    t = f.get_tensor(name)
+def _packed_fp4(kind: str, name: str) -> bool:
+    """Whether a tensor of safetensors dtype ``kind`` is a routed expert's packed FP4 weight."""
+    return kind in FP4 and ".experts." in name
+
+
+def read_float(f, name: str, where: dict[str, Path], rows: slice | None = None) -> torch.Tensor:
+    """Rows ``rows`` (``[start, stop)`` of dim 0; None: all) of tensor ``name`` of the open file ``f``
+    as stored, or as fp32 for an e4m3 weight (with the 128-row block scales over those rows) or an
+    FP4 routed expert (with the same rows of its per-32-input scales). No other row is read, and
+    each element is dequantized by its own block's scale, so a part equals those rows of the whole."""
+    part = f.get_slice(name)
+    kind = part.get_dtype()
+    fp4 = _packed_fp4(kind, name)
+    t = part[() if rows is None else rows]
     if kind != FP8 and not fp4:
         return t
     scale = scale_name(name, where)
     if scale is None:
         raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} has no scales ({name.removesuffix('.weight')}.scale "
                          f"or {name}_scale_inv)")
+    if t.dim() != 2:
+        raise ValueError(f"{'FP4' if fp4 else 'FP8'} tensor {name} is {list(t.shape)}: only 2-D quantized weights are "
+                         f"dequantized (stacked quantized experts must come one per tensor, as the official layout "
+                         f"stores them)")
     with safe_open(where[scale], framework="pt") as g:
+        scales = g.get_slice(scale)
         if fp4:
-            return dequantize_fp4(t.view(torch.uint8), g.get_tensor(scale))
-        return dequantize_blocks(t, g.get_tensor(scale).float(), (GROUP, GROUP))
+            return dequantize_fp4(t.view(torch.uint8), scales[() if rows is None else rows])
+        start, stop = (0, t.shape[0]) if rows is None else (rows.start, rows.stop)
+        blocks = scales[start // GROUP: -(-stop // GROUP)]  # the 128-row blocks over rows [start, stop)
+        return dequantize_blocks(t, blocks.float(), (GROUP, GROUP), (start, 0))
 
 
 def _index(files: list[Path]) -> tuple[dict[str, Path], dict[str, str]]:
@@ -150,18 +167,57 @@ def _index(files: list[Path]) -> tuple[dict[str, Path], dict[str, str]]:
     return where, kinds
 
 
+class V4Checkpoint:
+    """The safetensors files of a DeepSeek-V4 checkpoint directory, where each tensor lies, its
+    dtype and which tensors are scales: what the one-process load (:func:`load_v4_model`) and the
+    per-rank FSDP load (``flashdsa.train.sharded_load``) walk, one file at a time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.files = checkpoint_files(self.path)
+        self.where, self.kinds = _index(self.files)
+        self.scales = {s for n in self.where if (s := scale_name(n, self.where))}
+
+    def weights(self, names: set[str], mtp: bool, progress: bool = True):
+        """Yield ``(open file, checkpoint name, (model name, expert or None, gate_up half or None))``
+        for every weight (its scales go with it), the target None when ``names`` (the model's
+        tensors) has no place for it; the MTP layers' only with ``mtp`` (skipped ones logged)."""
+        skipped = 0
+        for file in tqdm(self.files, desc="loading shards", unit="file", leave=False, disable=not progress):
+            with safe_open(file, framework="pt") as f:
+                for name in sorted(f.keys()):
+                    if name in self.scales:
+                        continue
+                    if name.startswith("mtp.") and not mtp:
+                        skipped += 1
+                        continue
+                    target = (name, None, None) if name in names else model_name(name)  # transformers layout: as is
+                    yield f, name, target if target is not None and target[0] in names else None
+        if skipped:
+            logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not loaded)", skipped)
+
+    def shape(self, f, name: str) -> list[int]:
+        """The shape of tensor ``name`` of the open file ``f`` as :meth:`read` gives it (from its
+        header: a packed FP4 weight holds two values a byte)."""
+        part = f.get_slice(name)
+        shape = list(part.get_shape())
+        return [*shape[:-1], 2 * shape[-1]] if _packed_fp4(part.get_dtype(), name) else shape
+
+    def read(self, f, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Rows ``rows`` (None: all) of weight ``name`` of the open file ``f``, dequantized (:func:`read_float`)."""
+        return read_float(f, name, self.where, rows)
+
+
 def read_dequantized(path: str | Path):
     """Yield ``(name, tensor)`` for every tensor of the checkpoint directory ``path`` as stored (its
     own names), FP8 and FP4 weights dequantized to fp32 and their scale tensors left out: a
     checkpoint any reader of bf16/fp32 weights takes (the layerwise check's transformers model)."""
-    files = checkpoint_files(Path(path))
-    where, _ = _index(files)
-    scales = {s for n in where if (s := scale_name(n, where))}
-    for file in files:
+    checkpoint = V4Checkpoint(path)
+    for file in checkpoint.files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name not in scales:
-                    yield name, _read(f, name, where)
+                if name not in checkpoint.scales:
+                    yield name, checkpoint.read(f, name)
 
 
 def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Tensor:
@@ -170,6 +226,28 @@ def _slot(stack: torch.Tensor, expert: int | None, half: int | None) -> torch.Te
         return stack
     rows = stack[expert]
     return rows if half is None else rows.chunk(2)[half]
+
+
+def piece(name: str, expert: int | None = None, half: int | None = None) -> str:
+    """The name of what one checkpoint tensor fills of model tensor ``name``: all of it, or expert
+    ``expert`` (and gate_up half ``half``) of a stacked one."""
+    return name if expert is None else f"{name}[{expert}]{'' if half is None else half}"
+
+
+def pieces(name: str, shape: torch.Size) -> dict[str, tuple[int | None, int | None]]:
+    """What must be loaded to fill model tensor ``name`` of ``shape``, each :func:`piece` -> its
+    ``(expert, half)``: the tensor whole, or each expert (and half) of a stacked one."""
+    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj" + SCALE_SUFFIX)):
+        return {piece(name, e, h): (e, h) for e in range(shape[0]) for h in (0, 1)}
+    if name.endswith(("mlp.experts.down_proj", "mlp.experts.down_proj" + SCALE_SUFFIX)):
+        return {piece(name, e): (e, None) for e in range(shape[0])}
+    return {name: (None, None)}
+
+
+def filled(name: str, shape: torch.Size, expert: int | None, half: int | None) -> set[str]:
+    """The :func:`pieces` of model tensor ``name`` (of its whole ``shape``) that one checkpoint
+    tensor fills: expert ``expert`` (and half ``half``) of a stack, or, with no expert, all of them."""
+    return set(pieces(name, shape)) if expert is None else {piece(name, expert, half)}
 
 
 def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -186,67 +264,36 @@ def load_v4_model(path: str | Path, device: str | torch.device = "cpu", dtype: t
     with torch.device("meta"):
         dtype = dtype or (torch.bfloat16 if mode == "production" else torch.float32)
         model = DeepseekV4ForCausalLM(config, dtype, config.num_nextn_predict_layers if mtp else 0, mode)
-    files = checkpoint_files(path)
-    where, kinds = _index(files)
+    checkpoint = V4Checkpoint(path)
+    where = checkpoint.where
     if mode == "production" and keep_fp8:
         names = set(model.state_dict())
 
         def own(name: str) -> str | None:
             return name if name in names else (model_name(name) or (None,))[0]
         with torch.device("meta"):
-            keep_quantized(model, kinds, where, [n for n in where if _EXPERT.match(n)], own)
+            keep_quantized(model, checkpoint.kinds, where, [n for n in where if _EXPERT.match(n)], own)
     model.to_empty(device=device)
     dests = model.state_dict(keep_vars=True)
-    scales = {s for n in where if (s := scale_name(n, where))}
-    loaded, unexpected, misshaped, skipped = set(), [], [], 0
-    for file in tqdm(files, desc="loading shards", unit="file", leave=False):
-        with safe_open(file, framework="pt") as f:
-            for name in sorted(f.keys()):
-                if name in scales:
-                    continue
-                if name.startswith("mtp.") and not mtp:
-                    skipped += 1
-                    continue
-                target = (name, None, None) if name in dests else model_name(name)  # transformers layout: as is
-                if target is None or target[0] not in dests:
-                    unexpected.append(name)
-                    continue
-                own, expert, half = target
-                parts = {own: _slot(dests[own].data, expert, half)}  # model tensor -> the rows to fill
-                if parts[own].dtype in (E4M3, torch.uint8):  # kept FP8 / FP4: the stored rows and their scales
-                    parts[own + SCALE_SUFFIX] = _slot(dests[own + SCALE_SUFFIX].data, expert, half)
-                    tensors = read_quantized(f, name, where, *parts.values())
-                else:
-                    tensors = (_read(f, name, where),)
-                bad = [f"{list(d.shape)}, got {list(t.shape)}" for d, t in zip(parts.values(), tensors)
-                       if d.shape != t.shape]
-                if bad:
-                    misshaped.append(f"{name}: expected {bad[0]}")
-                    continue
-                for (part, dest), t in zip(parts.items(), tensors):
-                    dest.copy_(t.to(device))
-                    which = f"[{expert}]{'' if half is None else half}"
-                    loaded |= _expected(part, dest) if expert is None else {part + which}
-    missing = [n for n in dests if not _expected(n, dests[n]) <= loaded]
-    _check(path, missing, unexpected, misshaped)
-    if skipped:
-        logger.info("skipped %d tensors of the multi-token-prediction layer(s) (not loaded)", skipped)
+    loaded, unexpected, misshaped = set(), [], []
+    for f, name, target in checkpoint.weights(set(dests), mtp):
+        if target is None:
+            unexpected.append(name)
+            continue
+        own, expert, half = target
+        parts = {own: _slot(dests[own].data, expert, half)}  # model tensor -> the rows to fill
+        if parts[own].dtype in (E4M3, torch.uint8):  # kept FP8 / FP4: the stored rows and their scales
+            parts[own + SCALE_SUFFIX] = _slot(dests[own + SCALE_SUFFIX].data, expert, half)
+            tensors = read_quantized(f, name, where, *parts.values())
+        else:
+            tensors = (checkpoint.read(f, name),)
+        bad = [f"{list(d.shape)}, got {list(t.shape)}" for d, t in zip(parts.values(), tensors) if d.shape != t.shape]
+        if bad:
+            misshaped.append(f"{name}: expected {bad[0]}")
+            continue
+        for (part, dest), t in zip(parts.items(), tensors):
+            dest.copy_(t.to(device))
+            loaded |= filled(part, dest.shape, expert, half)
+    expected = {p for n, t in dests.items() for p in pieces(n, t.shape)}
+    check_complete(path, expected, loaded, unexpected, misshaped, "DeepSeek-V4")
     return model.eval()
-
-
-def _expected(name: str, t: torch.Tensor) -> set[str]:
-    """What must be loaded to fill model tensor ``name``: itself, or each expert (and half) of a stack."""
-    if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj" + SCALE_SUFFIX)):
-        return {f"{name}[{e}]{h}" for e in range(t.shape[0]) for h in (0, 1)}
-    if name.endswith(("mlp.experts.down_proj", "mlp.experts.down_proj" + SCALE_SUFFIX)):
-        return {f"{name}[{e}]" for e in range(t.shape[0])}
-    return {name}
-
-
-def _check(path: Path, missing: list[str], unexpected: list[str], misshaped: list[str]) -> None:
-    problems = [
-        f"{label} ({len(names)}): {', '.join(sorted(names)[:8])}{' ...' if len(names) > 8 else ''}"
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names
-    ]
-    if problems:
-        raise ValueError(f"checkpoint {path} does not match the DeepSeek-V4 model: " + "; ".join(problems))

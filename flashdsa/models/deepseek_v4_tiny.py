@@ -114,9 +114,10 @@ def to_fp4_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, fp4_experts: bool = False, seed: int = 0,
-                            shards: int = 1, small: bool = False) -> Path:
-    """Write a tiny random DeepSeek-V4 checkpoint (config, official-layout weights with the MTP layer,
-    tokenizer) into ``path`` (created if missing); ``small``: the narrow attention (module docstring)."""
+                            shards: int = 1, small: bool = False, mtp: bool = True) -> Path:
+    """Write a tiny random DeepSeek-V4 checkpoint (config, official-layout weights with the MTP layer
+    unless not ``mtp``, tokenizer) into ``path`` (created if missing); ``small``: the narrow attention
+    (module docstring)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_v4_config(save_tokenizer(path), small)
@@ -125,7 +126,8 @@ def make_tiny_v4_checkpoint(path: str | Path, *, fp8: bool = False, fp4_experts:
                                           activation_scheme="dynamic", weight_block_size=[GROUP, GROUP])
     if fp4_experts:
         config.expert_dtype = "fp4"
-    weights = random_v4_weights(config, seed)
+    config.num_nextn_predict_layers = int(mtp)
+    weights = random_v4_weights(config, seed, mtp_layers=int(mtp))
     weights = to_fp4_experts(weights) if fp4_experts else weights
     save_shards(path, to_fp8_ue8m0(weights) if fp8 else weights, shards)
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))

@@ -238,9 +238,10 @@ def load_model(
 
 
 def check_complete(path: Path, expected: set[str], loaded: set[str], unexpected: list[str],
-                   misshaped: list[str]) -> None:
+                   misshaped: list[str], model: str = "DeepSeek-V3.2") -> None:
     """ValueError naming every tensor of ``expected`` not ``loaded``, every ``unexpected`` one and
-    the ``misshaped`` ones (``"name: expected ..., got ..."``); nothing when all is well."""
+    the ``misshaped`` ones (``"name: expected ..., got ..."``), and the ``model`` the checkpoint
+    does not match; nothing when all is well."""
     missing = sorted(expected - loaded - {m.split(":")[0] for m in misshaped})
     problems = [
         f"{label} ({len(names)}): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
@@ -248,7 +249,7 @@ def check_complete(path: Path, expected: set[str], loaded: set[str], unexpected:
         if names
     ]
     if problems:
-        raise ValueError(f"checkpoint {path} does not match the DeepSeek-V3.2 model: " + "; ".join(problems))
+        raise ValueError(f"checkpoint {path} does not match the {model} model: " + "; ".join(problems))
 
 
 def _data(t: torch.Tensor | None) -> torch.Tensor | None:

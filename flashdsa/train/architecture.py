@@ -58,6 +58,11 @@ def add_mtp_layer(model) -> torch.nn.Module:
     return layer
 
 
+def mtp_layer(model) -> torch.nn.Module:
+    """The model's (first) multi-token-prediction layer: the one the training loop trains."""
+    return model.mtp[0] if is_v4(model) else model.model.mtp
+
+
 def export_v4(model: DeepseekV4ForCausalLM, weights: dict[str, torch.Tensor],
               dtype: Optional[torch.dtype]) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors under the official names) of a V4 model's ``weights`` (its state

@@ -58,18 +58,22 @@ def test_two_ranks_match_one_process(checkpoint, seq_len, tolerance, corpus, tmp
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == [f"step-{STEPS:06d}"]
 
 
-def test_two_ranks_resume_with_a_fresh_mtp_layer_like_one_process(tiny_model_dir, corpus, tmp_path):
-    """A 2-rank run that adds an MTP layer, stops after its first step (time limit) and resumes
-    from its checkpoint (each rank loading its shards of it) follows the one-process run."""
-    args = [*finetune_args(tiny_model_dir, corpus, tmp_path / "one", 32), "--add-mtp-layer"]
-    assert main(args) == 0
-    two = [*finetune_args(tiny_model_dir, corpus, tmp_path / "two", 32), "--add-mtp-layer"]
-    for extra in (["--time-limit", "1e-6"], ["--resume"]):
-        run = on_two_ranks([*two, *extra])
+@pytest.mark.parametrize("checkpoint, seq_len, extra, tolerance", [
+    ("tiny_model_dir", 32, ["--add-mtp-layer"], TOLERANCE),  # V3.2 without an MTP layer: a fresh one
+    ("tiny_v4_dir", 132, [], V4_TOLERANCE),  # V4 with its own MTP layer, saved and resumed in the official layout
+])
+def test_two_ranks_resume_like_one_process(checkpoint, seq_len, extra, tolerance, corpus, tmp_path, request):
+    """A 2-rank run that stops after its first step (time limit) and resumes from its checkpoint
+    (each rank loading its shards of it) follows the one-process run, its MTP layer trained."""
+    model_dir = request.getfixturevalue(checkpoint)
+    assert main([*finetune_args(model_dir, corpus, tmp_path / "one", seq_len), *extra]) == 0
+    two = [*finetune_args(model_dir, corpus, tmp_path / "two", seq_len), *extra]
+    for stop in (["--time-limit", "1e-6"], ["--resume"]):
+        run = on_two_ranks([*two, *stop])
         assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from" in run.stdout and "step-000001" in run.stdout
     one, resumed = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(resumed) == STEPS and "mtp_loss" in json.loads((tmp_path / "two" / "log.jsonl").read_text().splitlines()[-1])
     for a, b in zip(one, resumed):
         for key in a:
-            assert b[key] == pytest.approx(a[key], rel=TOLERANCE), key
+            assert b[key] == pytest.approx(a[key], rel=tolerance), key
