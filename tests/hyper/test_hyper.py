@@ -53,11 +53,13 @@ def check_pre_post(tokens: int, n: int, dim: int, dtype: torch.dtype, device, it
         assert_streams_close(ours, theirs, f"{name} T={tokens} n={n} D={dim}")
     comb = got[2]
     ones = torch.ones(tokens, n, device=device)
-    # the last Sinkhorn step normalizes the columns; the rows get close over 20 iterations (slowest for
-    # skewed 2 x 2 matrices)
+    # the last Sinkhorn step normalizes the columns; the rows get close over 20 iterations, slowest for
+    # skewed 2 x 2 matrices (a random one missed 1e-2 by 0.0016 in CI): the kernel's rows must be as
+    # close to 1 as the reference's own, or within 1e-2
     torch.testing.assert_close(comb.sum(-2), ones, rtol=0, atol=1e-5)
     if iters >= ITERS:
-        torch.testing.assert_close(comb.sum(-1), ones, rtol=0, atol=1e-2)
+        reference_gap = (want[2].sum(-1) - 1).abs().max().item() if tokens else 0.0
+        torch.testing.assert_close(comb.sum(-1), ones, rtol=0, atol=max(1e-2, reference_gap + 1e-5))
     y = torch.randn(tokens, dim + 8, dtype=dtype, device=device)[:, :dim]  # strided rows
     flood_cuda_allocator_with_nan(torch.device(device))
     assert_streams_close(hc_post(y, h, got[1], got[2], backend="triton"),
