@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -92,7 +95,8 @@ class World:
         rank its own shards, under the parameters' module paths, so :meth:`load_optimizer` reads it
         back on any number of ranks. Collective."""
         _reshard(model)
-        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path, no_dist=self.size == 1)
+        with _quiet_alone():
+            dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path, no_dist=self.size == 1)
 
     def load_optimizer(self, model, optimizer, source: Path | dict) -> None:
         """Load the optimizer state that :meth:`save_optimizer` wrote to directory ``source``, each
@@ -103,7 +107,8 @@ class World:
             set_optimizer_state_dict(model, optimizer, source, options=StateDictOptions(full_state_dict=True))
             return
         state = get_optimizer_state_dict(model, optimizer)  # the layout to read into
-        dcp.load(state, checkpoint_id=source, no_dist=self.size == 1)
+        with _quiet_alone():
+            dcp.load(state, checkpoint_id=source, no_dist=self.size == 1)
         set_optimizer_state_dict(model, optimizer, state)
 
     @torch.no_grad()
@@ -120,6 +125,15 @@ class World:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+
+@contextmanager
+def _quiet_alone() -> Iterator[None]:
+    """A block where torch.distributed.checkpoint does not warn that one process (no process group)
+    saves or loads in a single process: that is this run's intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _reshard(model) -> None:
