@@ -135,7 +135,8 @@ class Trainer:
     """Runs one stage on ``model`` (fp32 weights) and writes checkpoints, log and plot to ``output_dir``.
 
     With a ``world`` of several ranks (``flashdsa.train.distributed``) the model is sharded with
-    FSDP2, each rank trains on its rows of every batch, and rank 0 alone writes files."""
+    FSDP2, each rank trains on its rows of every batch, rank 0 writes the weights (streamed), log and
+    plot, and every rank its shards of the optimizer state."""
 
     def __init__(self, model, train_tokens, eval_tokens, cfg: TrainConfig, output_dir, tokenizer_dir, device,
                  world: Optional[World] = None):
