@@ -28,7 +28,8 @@ from flashdsa.runtime.parallel.shard import Shard
 from flashdsa.runtime.parallel.sharding import check_fp8_splits
 
 MTP_PREFIX = "mtp."
-SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # in the checkpoint, not the model
+# in the checkpoint, not the model: the MTP layer's copies of the main embedding and lm_head
+SHARED_COPY_OF = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
 
@@ -79,7 +80,7 @@ def model_name(checkpoint_name: str, config: DeepseekV32Config) -> str | None:
     match = _LAYER.match(checkpoint_name)
     if not match or int(match.group(1)) < config.num_hidden_layers:
         return checkpoint_name
-    if int(match.group(1)) > config.num_hidden_layers or match.group(2) in SHARED_COPIES:
+    if int(match.group(1)) > config.num_hidden_layers or match.group(2) in SHARED_COPY_OF:
         return None
     return "model." + MTP_PREFIX + match.group(2)
 
@@ -97,6 +98,5 @@ def checkpoint_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> di
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     out = {checkpoint_name(name, model.config): t for name, t in tensors.items()}
     if any(name.startswith("model." + MTP_PREFIX) for name in tensors):
-        out[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        out[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        out.update((prefix + copy, tensors[main].clone()) for copy, main in SHARED_COPY_OF.items())
     return out

@@ -63,10 +63,30 @@ def mtp_layer(model) -> torch.nn.Module:
     return model.mtp[0] if is_v4(model) else model.model.mtp
 
 
+def export(model, weights: dict[str, torch.Tensor], dtype: Optional[torch.dtype]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors under the checkpoint's names) of ``model``'s ``weights`` (its state
+    dict, on any device, meta included), cast to ``dtype`` (None: as they are) but the tensors the
+    architecture keeps in fp32. A V3.2 MTP layer comes out as the official checkpoint stores it
+    (``model.layers.{num_hidden_layers}.*`` plus the embedding and head copies); a V4 model in the
+    official V4 layout (``mtp.0.*``, per-expert ``w1`` / ``w2`` / ``w3``)."""
+    from flashdsa.models.deepseek_v32 import FP32_PARAMS
+    from flashdsa.models.mtp import checkpoint_tensors
+
+    if is_v4(model):
+        return export_v4(model, weights, dtype)
+    config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"],
+              **model.config.to_dict(), "num_nextn_predict_layers": int(model.has_mtp)}
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    tensors = {name: t.detach().to(None if dtype is None or name.endswith(FP32_PARAMS) else dtype)
+               for name, t in checkpoint_tensors(model, weights).items()}
+    return config, tensors
+
+
 def export_v4(model: DeepseekV4ForCausalLM, weights: dict[str, torch.Tensor],
               dtype: Optional[torch.dtype]) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors under the official names) of a V4 model's ``weights`` (its state
-    dict), floats cast to ``dtype`` but the parts V4 keeps in fp32; no quantization left."""
+    dict, on any device), floats cast to ``dtype`` but the parts V4 keeps in fp32; no quantization left."""
     from flashdsa.models.deepseek_v4_loader import official_tensors
 
     config = {**model.config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"],
@@ -78,7 +98,7 @@ def export_v4(model: DeepseekV4ForCausalLM, weights: dict[str, torch.Tensor],
     tensors = {}
     for name, tensor in weights.items():
         cast = dtype is not None and tensor.is_floating_point() and not keeps_fp32(name)
-        tensors[name] = tensor.detach().to("cpu", dtype if cast else None)
+        tensors[name] = tensor.detach().to(dtype if cast else None)
     return config, official_tensors(model.config, tensors)
 
 

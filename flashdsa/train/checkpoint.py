@@ -3,10 +3,13 @@
 A model directory holds ``config.json``, ``model.safetensors`` (or shards with
 ``model.safetensors.index.json``) under the checkpoint's own tensor names, and the tokenizer
 files; ``flashdsa.models.loader.load_model``, ``generate``, ``serve`` and ``transformers`` read
-it. Each file is written under a temporary name and renamed (``safe_io``). A training checkpoint
-``<output>/checkpoints/step-NNNNNN/`` is such a directory with fp32 weights and
-``trainer_state.pt`` (optimizer, scheduler, data position, RNG, step), written whole as
-``.partial-step-NNNNNN/`` and renamed, so a kill never leaves a half-written ``step-*``.
+it. The weights are streamed from the model (from FSDP2 shards, one tensor at a time:
+``weight_stream``) and each file is written under a temporary name and renamed (``safe_io``).
+A training checkpoint ``<output>/checkpoints/step-NNNNNN/`` is such a directory with fp32
+weights, ``optimizer/`` (the optimizer state, each rank writing its own shards with
+torch.distributed.checkpoint, reshardable to any rank count) and ``trainer_state.pt`` (step,
+scheduler, data position, RNG), written whole as ``.partial-step-NNNNNN/`` and renamed, so a
+kill never leaves a half-written ``step-*``.
 """
 
 from __future__ import annotations
@@ -20,19 +23,18 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from safetensors.torch import save_file
 
-from flashdsa.models.deepseek_v32 import FP32_PARAMS
-from flashdsa.models.mtp import checkpoint_tensors
 from flashdsa.models.resolve import LOAD_ERRORS
-from flashdsa.train.architecture import export_v4, is_v4
+from flashdsa.train.distributed import World
 from flashdsa.train.safe_io import PARTIAL, atomic_path, write_text
+from flashdsa.train.weight_stream import write_weights
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "generation_config.json")
 TRAINER_STATE = "trainer_state.pt"
+OPTIMIZER = "optimizer"  # the optimizer state's directory in a training checkpoint
 CHECKPOINTS = "checkpoints"
 
 
@@ -42,28 +44,20 @@ def save_model(
     tokenizer_dir: Optional[str | Path] = None,
     dtype: Optional[torch.dtype] = None,
     max_shard_bytes: int = 4 << 30,
-    weights: Optional[dict[str, torch.Tensor]] = None,
+    world: Optional[World] = None,
 ) -> Path:
-    """Write ``model``'s config, weights (``weights`` when given, e.g. gathered from FSDP shards,
-    else its state dict; cast to ``dtype`` when given, fp32-only tensors stay fp32) and the
-    tokenizer files found in ``tokenizer_dir`` to ``output_dir``. A V3.2 MTP layer is written as the
-    official checkpoint stores it (``model.layers.{num_hidden_layers}.*``); a V4 model in the official
-    V4 layout (``mtp.0.*``)."""
+    """Write ``model``'s config, weights (cast to ``dtype`` when given, fp32-only tensors stay fp32)
+    and the tokenizer files found in ``tokenizer_dir`` to ``output_dir``. With a ``world`` of
+    several ranks every rank must call this and rank 0 writes, holding at most one weight file's
+    tensors. A V3.2 MTP layer is written as the official checkpoint stores it
+    (``model.layers.{num_hidden_layers}.*``); a V4 model in the official V4 layout (``mtp.0.*``)."""
+    world = world or World()
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    weights = model.state_dict() if weights is None else weights
-    if is_v4(model):  # the official release layout
-        config, tensors = export_v4(model, weights, dtype)
-    else:
-        config = {"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"],
-                  **model.config.to_dict(), "num_nextn_predict_layers": int(model.has_mtp)}
-        if dtype is not None:
-            config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        tensors = {}
-        for name, tensor in checkpoint_tensors(model, weights).items():
-            keep = dtype is None or name.endswith(FP32_PARAMS)
-            tensors[name] = tensor.detach().to("cpu", None if keep else dtype).contiguous()
-    _save_sharded(tensors, output_dir, max_shard_bytes)
+    if world.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    config = write_weights(model, output_dir, dtype, max_shard_bytes, world)
+    if not world.is_main:
+        return output_dir
     write_text(output_dir / "config.json", json.dumps(config, indent=2) + "\n")
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != output_dir.resolve():
         for name in TOKENIZER_FILES:
@@ -71,36 +65,6 @@ def save_model(
                 with atomic_path(output_dir / name) as temporary:
                     shutil.copyfile(Path(tokenizer_dir) / name, temporary)
     return output_dir
-
-
-def _save_sharded(tensors: dict[str, torch.Tensor], output_dir: Path, max_shard_bytes: int) -> None:
-    """One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index past
-    ``max_shard_bytes``; weight files of an earlier save that the new one does not use are removed
-    once the new ones are in place."""
-    stale = set(output_dir.glob("model*.safetensors")) | set(output_dir.glob("model.safetensors.index.json"))
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for name, shard in zip(names, shards):
-        with atomic_path(output_dir / name) as temporary:
-            save_file(shard, str(temporary), metadata={"format": "pt"})
-    written = {output_dir / name for name in names}
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_text(output_dir / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-        written.add(output_dir / "model.safetensors.index.json")
-    for path in stale - written:
-        path.unlink()
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -122,28 +86,39 @@ def latest_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return done[0] if done else None
 
 
-def save_training_checkpoint(
-    model, state: dict, output_dir: str | Path, step: int, tokenizer_dir, keep: int = 2, weights=None
-) -> Path:
-    """Save model (training dtype; ``weights`` as in ``save_model``) + ``state`` as checkpoint
-    ``step``; keep the newest ``keep``."""
+def save_training_checkpoint(model, optimizer, state: dict, output_dir: str | Path, step: int, tokenizer_dir,
+                             world: Optional[World] = None, keep: int = 2) -> Path:
+    """Save model (training dtype), ``optimizer`` (sharded, ``OPTIMIZER``) and the small ``state`` as
+    checkpoint ``step``; keep the newest ``keep``. Every rank of ``world`` must call this."""
+    world = world or World()
     path = checkpoint_dir(output_dir, step)
     partial = path.with_name(PARTIAL + path.name)
-    shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-    save_model(model, partial, tokenizer_dir, weights=weights)
-    torch.save(state, partial / TRAINER_STATE)
-    if path.exists():  # the same step saved again (a resumed run stopped where it started)
-        shutil.rmtree(path)
-    os.replace(partial, path)
-    for old in sorted(path.parent.glob("step-*"))[:-keep]:
-        shutil.rmtree(old)
+    if world.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+    world.barrier()  # before any rank writes into it
+    save_model(model, partial, tokenizer_dir, world=world)
+    world.save_optimizer(model, optimizer, partial / OPTIMIZER)
+    if world.is_main:
+        torch.save(state, partial / TRAINER_STATE)
+        if path.exists():  # the same step saved again (a resumed run stopped where it started)
+            shutil.rmtree(path)
+        os.replace(partial, path)
+        for old in sorted(path.parent.glob("step-*"))[:-keep]:
+            shutil.rmtree(old)
+    world.barrier()
     return path
 
 
 def load_training_state(path: str | Path) -> dict:
-    """The trainer state of checkpoint ``path``, its tensors memory-mapped (copy-on-write): a page
-    is read when used, so each FSDP rank reads only its rows of the optimizer state."""
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=False, mmap=True)
+    """The trainer state of checkpoint ``path``; its ``"optimizer"`` is the directory of the sharded
+    optimizer state, or, in a checkpoint written before that existed, the full state by parameter
+    name (memory-mapped, copy-on-write: a page is read when used)."""
+    state = torch.load(Path(path) / TRAINER_STATE, weights_only=False, mmap=True)
+    if "optimizer" not in state:
+        state["optimizer"] = Path(path) / OPTIMIZER
+        if not (state["optimizer"] / ".metadata").is_file():  # DCP's index of the shards
+            raise FileNotFoundError(f"{state['optimizer']} holds no optimizer state (no .metadata)")
+    return state
 
 
 def load_latest_checkpoint(output_dir: str | Path, load: Callable[[Path], torch.nn.Module]

@@ -4,27 +4,36 @@ Under ``torchrun --nproc-per-node N -m flashdsa finetune ...`` every rank holds 
 parameter, gradient and optimizer state (``torch.distributed.fsdp.fully_shard``, per decoder layer
 then the root) and trains on rows ``[rank * B/N, (rank + 1) * B/N)`` of every global batch of B
 rows, so the global batch, the mean loss and the gradient (FSDP averages it over ranks) are the
-one-process run's. Checkpoints keep one layout whatever the rank count: rank 0 gathers the full
-state dicts and writes the HF-layout weights and a name-keyed optimizer state, so a run resumes
-on any number of ranks. NCCL on GPUs (one per rank), gloo on CPU.
+one-process run's. Checkpoints keep one layout whatever the rank count, so a run resumes on any
+number of ranks, and no host holds the whole model or optimizer state: rank 0 writes the HF-layout
+weights gathered one tensor at a time (``weight_stream``), every rank writes its shards of the
+optimizer state (torch.distributed.checkpoint, which reshards on load). NCCL on GPUs (one per
+rank), gloo on CPU.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from flashdsa.train.architecture import forwards, skeleton
+from flashdsa.train.architecture import forwards
 from flashdsa.train.forward import SHARDED_FORWARD
 
 logger = logging.getLogger(__name__)
@@ -81,63 +90,50 @@ class World:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         return bool(box.item())
 
-    def model_state(self, model) -> dict[str, torch.Tensor]:
-        """The state dict under the checkpoint's names, full, on rank 0 ({} on the other ranks);
-        every rank must call it. Each sharded tensor is gathered under its module path, then a
-        weightless copy of the model takes them and applies its own state-dict hooks (the routed
-        experts' per-expert names), which do not run on shards."""
-        if self.size == 1:
-            return model.state_dict()
+    def save_optimizer(self, model, optimizer, path: Path) -> None:
+        """Write the optimizer's state to directory ``path`` with torch.distributed.checkpoint: each
+        rank its own shards, under the parameters' module paths, so :meth:`load_optimizer` reads it
+        back on any number of ranks. Collective."""
         _reshard(model)
-        full = {}
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            tensor = _full(tensor)
-            if self.is_main:
-                full[name] = tensor.detach().cpu()
-        if not self.is_main:
-            return {}
-        weightless = skeleton(model)
-        weightless.load_state_dict(full, assign=True)
-        return weightless.state_dict()
+        with _quiet_alone():
+            dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path, no_dist=self.size == 1)
 
-    def optimizer_state(self, model, optimizer) -> dict:
-        """The optimizer's state with every tensor full and parameters named by module path (the
-        same on any number of ranks), on rank 0 ({"state": {}} elsewhere); collective."""
+    def load_optimizer(self, model, optimizer, source: Path | dict) -> None:
+        """Load the optimizer state that :meth:`save_optimizer` wrote to directory ``source``, each
+        rank reading the rows of its shards whatever the rank count of the save; or ``source`` the
+        full state by parameter name that checkpoints held before (every rank cuts its rows)."""
         _reshard(model)
-        names = {p: name for name, p in model.named_parameters()}
-        state = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                full = {k: _full(v) for k, v in optimizer.state.get(p, {}).items()}
-                if self.is_main:
-                    state[names[p]] = {k: v.cpu() for k, v in full.items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        return {"state": state, "param_groups": groups} if self.is_main else {"state": {}}
-
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        """Load what :meth:`optimizer_state` saved (every rank reads the same ``state``, memory-mapped
-        by ``checkpoint.load_training_state``): each tensor is cut to this rank's rows of its parameter."""
-        _reshard(model)
-        params = dict(model.named_parameters())
-        index = {name: i for i, name in enumerate(n for g in state["param_groups"] for n in g["params"])}
-        local = {}
-        for name, values in state["state"].items():
-            p = params[name]
-            local[index[name]] = {k: _like(v, p) if k != "step" else v for k, v in values.items()}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-        optimizer.load_state_dict({"state": local, "param_groups": groups})
-
-    def load_model_state(self, model, state: dict[str, torch.Tensor]) -> None:
-        """Load full weights read by rank 0 (the other ranks pass {} and receive them)."""
-        if self.size == 1:
-            model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
+        if isinstance(source, dict):
+            set_optimizer_state_dict(model, optimizer, source, options=StateDictOptions(full_state_dict=True))
             return
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        state = get_optimizer_state_dict(model, optimizer)  # the layout to read into
+        with _quiet_alone():
+            dcp.load(state, checkpoint_id=source, no_dist=self.size == 1)
+        set_optimizer_state_dict(model, optimizer, state)
+
+    @torch.no_grad()
+    def load_model_state(self, model, source: nn.Module) -> None:
+        """Copy the weights of ``source`` (the same architecture, whole or FSDP2-sharded) into
+        ``model``: each rank its own rows, read from the rows ``source`` holds here."""
+        _reshard(model)
+        theirs = dict([*source.named_parameters(), *source.named_buffers()])
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            local, start, stop = own_rows(tensor)
+            held, first, _ = own_rows(theirs[name])
+            local.copy_(held[start - first : stop - first])
 
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+
+@contextmanager
+def _quiet_alone() -> Iterator[None]:
+    """A block where torch.distributed.checkpoint does not warn that one process (no process group)
+    saves or loads in a single process: that is this run's intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _reshard(model) -> None:
@@ -163,24 +159,16 @@ def own_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return local, offset[0], offset[0] + shape[0]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (gathered from every rank if it is a shard)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` cut like ``param``: when ``param`` is a DTensor, this rank's rows of it, copied out
-    locally (of a memory-mapped ``full`` only those rows are read; no collective)."""
-    if isinstance(param, DTensor):
-        _, start, stop = own_rows(param)
-        return DTensor.from_local(full[start:stop].to(param.device, copy=True), param.device_mesh, param.placements,
-                                  run_check=False, shape=param.shape, stride=param.stride())
-    return full
+def row_ranges(rows: int, size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the dim-0 rows each of ``size`` ranks holds of a tensor of ``rows`` rows
+    under FSDP2 (``torch.chunk``'s split: the last ranks may hold fewer, or none)."""
+    chunk = -(-rows // size)
+    return [(min(rows, r * chunk), min(rows, (r + 1) * chunk)) for r in range(size)]
 
 
 def full_norm(norm: torch.Tensor) -> float:
     """``clip_grad_norm_``'s total norm as a float (under FSDP a DTensor partial over the ranks)."""
-    return float(_full(norm))
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def join(device: torch.device) -> World:

@@ -10,7 +10,8 @@ writes ``DIR/`` (the trained model, HF layout), ``DIR/checkpoints/step-N/`` (res
 
 trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``): the same global
 batch, checkpoints and outputs as one process; each rank reads only its shards of a V3.2 checkpoint
-(``flashdsa.train.sharded_load``); rank 0 writes every file.
+(``flashdsa.train.sharded_load``); rank 0 writes the weights, gathered one tensor at a time, and
+every rank its shards of the optimizer state (``flashdsa.train.checkpoint``).
 A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
 gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``model_type``
 ``deepseek_v4``) trains through the same stages, its CSA indexers over the compressed entries
@@ -141,9 +142,8 @@ def run(args: argparse.Namespace) -> int:
         if world.is_main:
             print(f"resumed from {resumed[0]} at step {trainer.step}")
     metrics = trainer.train()
-    weights = world.model_state(model)
+    ckpt.save_model(model, args.output, model_dir, DTYPES[args.save_dtype], args.max_shard_mb << 20, world)
     if world.is_main:
-        ckpt.save_model(model, args.output, model_dir, DTYPES[args.save_dtype], args.max_shard_mb << 20, weights)
         summary = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
         print(f"{cfg.stage} stage: {trainer.step} steps on {len(train_tokens)} tokens; {summary}; "
               f"saved to {args.output}" + (f" ({world.size} ranks)" if world.size > 1 else ""))

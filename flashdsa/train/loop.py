@@ -25,10 +25,11 @@ from tqdm import tqdm
 from flashdsa.train import checkpoint as ckpt
 from flashdsa.train.data import TokenBatches, eval_batches
 from flashdsa.train.distributed import World, full_norm
-from flashdsa.train.architecture import forwards, load_trainable
+from flashdsa.train.architecture import forwards
 from flashdsa.train.losses import lm_loss
 from flashdsa.train.plot import save_loss_png
 from flashdsa.train.safe_io import append_record, read_records, truncate_records
+from flashdsa.train.sharded_load import load_for_training
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,8 @@ class Trainer:
     """Runs one stage on ``model`` (fp32 weights) and writes checkpoints, log and plot to ``output_dir``.
 
     With a ``world`` of several ranks (``flashdsa.train.distributed``) the model is sharded with
-    FSDP2, each rank trains on its rows of every batch, and rank 0 alone writes files."""
+    FSDP2, each rank trains on its rows of every batch, rank 0 writes the weights (streamed), log and
+    plot, and every rank its shards of the optimizer state."""
 
     def __init__(self, model, train_tokens, eval_tokens, cfg: TrainConfig, output_dir, tokenizer_dir, device,
                  world: Optional[World] = None):
@@ -151,16 +153,18 @@ class Trainer:
         self.step, self.best_eval = 0, math.inf
 
     def state_dict(self) -> dict:
+        """The small state a resume needs beside the weights and the optimizer's (saved apart, sharded)."""
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         return {"step": self.step, "best_eval": self.best_eval, "config": asdict(self.cfg),
-                "optimizer": self.world.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
                 "data": self.batches.state_dict(), "rng": torch.get_rng_state(), "cuda_rng": cuda_rng}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state`` as ``checkpoint.load_training_state`` reads it (with the optimizer's)."""
         if state["config"]["stage"] != self.cfg.stage:
             raise ValueError(f"cannot resume a {state['config']['stage']!r} run as stage {self.cfg.stage!r}")
         self.step, self.best_eval = state["step"], state["best_eval"]
-        self.world.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        self.world.load_optimizer(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
@@ -211,24 +215,18 @@ class Trainer:
     def _keep_if_best(self, eval_loss: float) -> None:
         if self.cfg.keep_best and eval_loss < self.best_eval:  # every rank evaluates alike, so all agree
             self.best_eval = eval_loss
-            weights = self.world.model_state(self.model)
-            if self.world.is_main:
-                ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir, weights=weights)
+            ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir, world=self.world)
 
     def _restore_best(self) -> None:
-        """Load the best weights (fp32, as saved) back into the model."""
-        best = load_trainable(self.output_dir / BEST_DIR, "cpu", self.model.has_mtp).state_dict() \
-            if self.world.is_main else {}
-        self.world.load_model_state(self.model, best)
+        """Load the best weights (fp32, as saved on disk) back into the model: each rank reads its
+        shards of them (one process: the whole model, on the host, as the device holds the model)."""
+        reader = self.world if self.world.size > 1 else World()
+        self.world.load_model_state(self.model, load_for_training(self.output_dir / BEST_DIR, reader))
 
     def save_checkpoint(self) -> Path:
-        """Rank 0 writes the checkpoint of every rank's gathered state (all ranks must call this)."""
-        weights, state = self.world.model_state(self.model), self.state_dict()
-        path = ckpt.checkpoint_dir(self.output_dir, self.step)
-        if self.world.is_main:
-            ckpt.save_training_checkpoint(self.model, state, self.output_dir, self.step, self.tokenizer_dir,
-                                          weights=weights)
-        return path
+        """Write the checkpoint: weights streamed to rank 0, optimizer shards by every rank (all ranks must call this)."""
+        return ckpt.save_training_checkpoint(self.model, self.optimizer, self.state_dict(), self.output_dir, self.step,
+                                             self.tokenizer_dir, self.world)
 
     def _log(self, record: dict) -> None:
         if not self.world.is_main:

@@ -16,6 +16,7 @@ import pytest
 
 from flashdsa.cli import main
 from flashdsa.train import checkpoint as ckpt
+from flashdsa.train.distributed import World
 from flashdsa.train.loop import LOG_FILE
 from flashdsa.train.safe_io import atomic_path, read_records
 
@@ -41,16 +42,16 @@ def test_atomic_path_keeps_the_old_file_when_the_write_fails(tmp_path):
 def test_resume_skips_a_checkpoint_whose_save_was_cut_off(tiny_model_dir, corpus, tmp_path, monkeypatch, caplog):
     out = tmp_path / "out"
     assert main(finetune(tiny_model_dir, corpus, out, 2)) == 0
-    real_save = ckpt.torch.save
+    real_save = World.save_optimizer
 
     def killed_after_the_weights(*args, **kwargs):
         raise KeyboardInterrupt  # the kill lands while checkpoint 3 is being written
 
-    monkeypatch.setattr(ckpt.torch, "save", killed_after_the_weights)
+    monkeypatch.setattr(World, "save_optimizer", killed_after_the_weights)
     assert main(finetune(tiny_model_dir, corpus, out, 4, "--resume")) == 130
     assert (out / ckpt.CHECKPOINTS / ".partial-step-000003" / "model.safetensors").is_file()
     assert ckpt.latest_checkpoint(out).name == "step-000002"
-    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    monkeypatch.setattr(World, "save_optimizer", real_save)
     with caplog.at_level(logging.WARNING):
         assert main(finetune(tiny_model_dir, corpus, out, 4, "--resume")) == 0
     assert any("incomplete checkpoint" in r.getMessage() and "step-000003" in r.getMessage() for r in caplog.records)
