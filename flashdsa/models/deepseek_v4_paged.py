@@ -22,7 +22,8 @@ their pool: the slot ids index it); production mode quantizes the window pool to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -61,6 +62,7 @@ class StepPlan:
     ring_new: torch.Tensor
     decode: bool
     production: bool
+    _entries: dict[int, "EntryPlan"] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, meta: BatchMetadata, window: int, production: bool) -> "StepPlan":
@@ -86,6 +88,14 @@ class StepPlan:
         return cls(meta, starts, slots, meta.block_tables.long()[seq_ids], ring_old,
                    torch.where(wanted >= 0, rows, -1), ring_new, decode, production)
 
+    def entries(self, ratio: int) -> "EntryPlan":
+        """The step's compressed-entry bookkeeping at ``ratio``: the same for every compressor and
+        HCA layer at that ratio, so it is made once a step (else a few dozen small index kernels
+        a layer, and a V4 model has dozens of compressed layers)."""
+        if ratio not in self._entries:
+            self._entries[ratio] = EntryPlan(self, ratio)
+        return self._entries[ratio]
+
     def window_pool(self, ring: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """The step's window rows (reference: ``[rows, D]`` float; production: a MODEL1 pool): in a
         decode step the ring, ``kv: [T, D]`` written into it; else each sequence's W - 1 ring rows,
@@ -106,6 +116,49 @@ class StepPlan:
         """After the attention: the rows still in the window go into the ring (a decode step's already did)."""
         if not self.decode:
             store_v4_rows(ring, kv, self.ring_new)
+
+
+class EntryPlan:
+    """What a step's layers at one compression ratio share, each part made on first use: ids [E]
+    the entry each compressed window of the step becomes (decode: one per sequence, -1 where its
+    token closes no window), starts [E] their RoPE positions (each window's first), slots [E] their
+    pool slots (-1: none); visible [T] the entries each query may see; every_visible_slots
+    [T, max_context_len // ratio] the pool slots of HCA's choice (every visible entry, -1 after)."""
+
+    def __init__(self, plan: StepPlan, ratio: int):
+        self.plan, self.ratio = plan, ratio
+
+    @cached_property
+    def _ids_and_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
+        meta, ratio = self.plan.meta, self.ratio
+        device = meta.positions.device
+        if self.plan.decode:  # a token closes its window at position % ratio == ratio - 1 (compress_decode_step's rule)
+            positions = meta.positions
+            ids = torch.where(positions % ratio == ratio - 1, (positions + 1) // ratio - 1, -1)
+            return ids, torch.arange(len(meta.query_lens), device=device)
+        spans = [(length - (end - first), length) for first, end, length in meta.sequence_ranges()]
+        ids = torch.cat([torch.arange(start // ratio, length // ratio, device=device) for start, length in spans])
+        owners = torch.cat([torch.full((length // ratio - start // ratio,), b, device=device)
+                            for b, (start, length) in enumerate(spans)])
+        return ids, owners
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        return self._ids_and_owners[0].clamp_min(0) * self.ratio
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        ids, owners = self._ids_and_owners
+        return entry_slots(ids[:, None], self.plan.meta.block_tables.long()[owners], self.ratio)[:, 0]
+
+    @cached_property
+    def visible(self) -> torch.Tensor:
+        return visible_entries(self.plan.meta.positions, self.ratio)
+
+    @cached_property
+    def every_visible_slots(self) -> torch.Tensor:
+        entry = torch.arange(self.plan.meta.max_context_len // self.ratio, device=self.visible.device)
+        return entry_slots(torch.where(entry < self.visible[:, None], entry, -1), self.plan.tables, self.ratio)
 
 
 def store_v4_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -131,12 +184,13 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
             indexer = attn.compressor.indexer
             compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
             picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
-        elif plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
-            visible = visible_entries(positions, attn.ratio)
-            entry = torch.arange(plan.meta.max_context_len // attn.ratio, device=x.device)
-            picked = torch.where(entry < visible[:, None], entry, -1)
-            lengths = visible.int()  # in a decode step the kernel stops at the visible count
-    main = None if picked is None else (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
+    main = None
+    if picked is not None:  # CSA: the indexer's choice
+        main = (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
+    elif attn.ratio and plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
+        shared = plan.entries(attn.ratio)
+        main = (cache.entries, shared.every_visible_slots)
+        lengths = shared.visible.int()  # in a decode step the kernel stops at the visible count
     out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan, lengths)
     plan.store_window(cache.window, kv)
     return attn.output(out, rope_at)
@@ -165,29 +219,22 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
              state: tuple[torch.Tensor, torch.Tensor], rope: RopeTable) -> None:
     """Feed the step's tokens to ``module``'s per-sequence states and write the entries of the
     windows they close into ``pool`` (module docstring)."""
-    ratio, meta = module.ratio, plan.meta
+    meta, shared = plan.meta, plan.entries(module.ratio)
     kv, gate = module.kv_proj(x), module.gate_proj(x)
     fresh = plan.starts == 0
-    if plan.decode:  # in place on the state pool
-        pooled, closed = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
-                                              state_slots=plan.slots, fresh=fresh)
-        ids = torch.where(closed, (meta.positions + 1) // ratio - 1, -1)
-        owners = torch.arange(len(meta.query_lens), device=x.device)
+    if plan.decode:  # in place on the state pool; the windows it closes are shared.ids'
+        pooled, _ = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
+                                         state_slots=plan.slots, fresh=fresh)
     else:
         state_kv = torch.where(fresh[:, None, None], 0.0, state[0][plan.slots])
         state_score = torch.where(fresh[:, None, None], float("-inf"), state[1][plan.slots])
-        pooled, ids, owners = [], [], []
-        for b, (first, end, length) in enumerate(meta.sequence_ranges()):
-            start = length - (end - first)
-            pooled.append(compress_sequence(kv[first:end], gate[first:end], module.position_bias, module.overlap,
-                                            start_pos=start, state_kv=state_kv[b], state_score=state_score[b])[0])
-            ids.append(torch.arange(start // ratio, length // ratio, device=x.device))
-            owners.append(torch.full_like(ids[-1], b))
-        pooled, ids, owners = torch.cat(pooled), torch.cat(ids), torch.cat(owners)
+        pooled = torch.cat([
+            compress_sequence(kv[first:end], gate[first:end], module.position_bias, module.overlap,
+                              start_pos=length - (end - first), state_kv=state_kv[b], state_score=state_score[b])[0]
+            for b, (first, end, length) in enumerate(meta.sequence_ranges())])
         state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
-    entries = rope(ids.clamp_min(0) * ratio, fused=plan.production).rotate_tail(module.kv_norm(pooled.to(x.dtype)))
-    slots = entry_slots(ids[:, None], meta.block_tables.long()[owners], ratio)[:, 0]
-    (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, slots)
+    entries = rope(shared.starts, fused=plan.production).rotate_tail(module.kv_norm(pooled.to(x.dtype)))
+    (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, shared.slots)
 
 
 def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
@@ -196,7 +243,7 @@ def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, 
     queries' RoPE (the layer's own: CSA rotates with the compressed RoPE)."""
     meta, ratio, k = plan.meta, indexer.ratio, indexer.topk
     q, weights = indexer.queries(x, q_residual, rope_at)
-    visible = visible_entries(meta.positions, ratio)
+    visible = plan.entries(ratio).visible
     if pool.dtype == torch.uint8:
         lengths = [n // ratio for n in meta.context_lens_host]
         keys = KeyRanges((meta.context_lens // ratio).int(), tuple(lengths), visible.int(),

@@ -76,6 +76,22 @@ def test_mixed_chunked_and_decode_steps_equal_the_one_sequence_path(reference, s
     torch.testing.assert_close(again["d"], reference.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_across_an_hca_window_end_equals_the_one_sequence_path(reference, monkeypatch):
+    """One token a step across position 127, where the HCA compressor closes its first window (and
+    CSA windows close every 4): the entries the step's shared plan places match the one-sequence
+    path; each step builds that plan once per compression ratio, whatever the layer count."""
+    from flashdsa.models import deepseek_v4_paged
+
+    built, init = [], deepseek_v4_paged.EntryPlan.__init__
+    monkeypatch.setattr(deepseek_v4_paged.EntryPlan, "__init__", lambda self, plan, ratio: built.append(
+        (id(plan), ratio)) or init(self, plan, ratio))
+    ids = torch.randint(0, 512, (134,), generator=torch.Generator().manual_seed(11))
+    got, _ = run_steps(reference, {"s": (ids, 0, 0)}, [{"s": 120}] + [{"s": 1}] * 14)
+    torch.testing.assert_close(got["s"], reference.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
+    ratios = {r for r in reference.config.compress_ratios if r}
+    assert len(built) == len(set(built)) == 15 * len(ratios), built
+
+
 def test_production_mode_tracks_the_bf16_one_sequence_path(checkpoint, sequences):
     """FP8 window rows, entries and indexer keys against the same bf16 weights unquantized: as close
     as bf16 is to fp32 on this random model (mean cosine 0.998-0.9995). A few rows (0-3 of 300 over
