@@ -96,6 +96,11 @@ class StepPlan:
             self._entries[ratio] = EntryPlan(self, ratio)
         return self._entries[ratio]
 
+    @cached_property
+    def window_rows(self) -> torch.Tensor:
+        """``window`` as int32, as the production kernels take it (made once a step)."""
+        return self.window.int()
+
     def window_pool(self, ring: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """The step's window rows (reference: ``[rows, D]`` float; production: a MODEL1 pool): in a
         decode step the ring, ``kv: [T, D]`` written into it; else each sequence's W - 1 ring rows,
@@ -156,6 +161,19 @@ class EntryPlan:
         return visible_entries(self.plan.meta.positions, self.ratio)
 
     @cached_property
+    def visible_counts(self) -> torch.Tensor:
+        """``visible`` as int32, as the kernels take it."""
+        return self.visible.int()
+
+    @cached_property
+    def keys(self) -> KeyRanges:
+        """The FP8 indexer's key ranges at this ratio: each sequence's entries, each query's visible ones."""
+        meta = self.plan.meta
+        return KeyRanges((meta.context_lens // self.ratio).int(), tuple(n // self.ratio for n in meta.context_lens_host),
+                         self.visible_counts, meta.max_context_len // self.ratio, meta.query_lens, meta.block_tables,
+                         paged_queries=1)
+
+    @cached_property
     def every_visible_slots(self) -> torch.Tensor:
         entry = torch.arange(self.plan.meta.max_context_len // self.ratio, device=self.visible.device)
         return entry_slots(torch.where(entry < self.visible[:, None], entry, -1), self.plan.tables, self.ratio)
@@ -190,8 +208,9 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     elif attn.ratio and plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
         shared = plan.entries(attn.ratio)
         main = (cache.entries, shared.every_visible_slots)
-        lengths = shared.visible.int()  # in a decode step the kernel stops at the visible count
-    out = attend(q, window, plan.window, main, attn.sinks, attn.head_dim**-0.5, plan, lengths)
+        lengths = shared.visible_counts  # in a decode step the kernel stops at the visible count
+    out = attend(q, window, plan.window_rows if plan.production else plan.window, main, attn.sinks,
+                 attn.head_dim**-0.5, plan, lengths)
     plan.store_window(cache.window, kv)
     return attn.output(out, rope_at)
 
@@ -245,9 +264,7 @@ def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, 
     q, weights = indexer.queries(x, q_residual, rope_at)
     visible = plan.entries(ratio).visible
     if pool.dtype == torch.uint8:
-        lengths = [n // ratio for n in meta.context_lens_host]
-        keys = KeyRanges((meta.context_lens // ratio).int(), tuple(lengths), visible.int(),
-                         meta.max_context_len // ratio, meta.query_lens, meta.block_tables, paged_queries=1)
+        keys = plan.entries(ratio).keys
         return indexer.choice(fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long())
     out = torch.full((x.shape[0], k), -1, dtype=torch.int64, device=x.device)
     for b, (first, end, length) in enumerate(meta.sequence_ranges()):
