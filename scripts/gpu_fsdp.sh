@@ -10,10 +10,7 @@ work=${WORK:-/tmp/flashdsa-fsdp-work}
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/fsdp.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv
-[[ -f $work/tiny/config.json ]] || timeout 60 python3 -m flashdsa make-tiny --overwrite "$work/tiny" > "$work/make-tiny.log" 2>&1
-python3 -c "
-import random; r = random.Random(0); w = 'the a king queen lord speak hear my good sir thou art not what is love'.split()
-open('$work/corpus.txt', 'w').write('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(20000)))"
+source "$(dirname "$0")/fsdp_inputs.sh"
 args=(finetune --model "$work/tiny" --data "$work/corpus.txt" --stage sparse --steps 30 --seq-len 1024
       --batch-tokens 16384 --eval-every 1000 --eval-tokens 2048 --backend triton)
 for run in one two; do

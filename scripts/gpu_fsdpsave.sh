@@ -14,10 +14,7 @@ mkdir -p "$out" "$work"
 exec > >(tee -a "$out/fsdpsave.log") 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/train/test_fsdp_checkpoint.py 2>&1 | tail -n 3
-[[ -f $work/tiny/config.json ]] || timeout 60 python3 -m flashdsa make-tiny --overwrite "$work/tiny" > "$work/make-tiny.log" 2>&1
-python3 -c "
-import random; r = random.Random(0); w = 'the a king queen lord speak hear my good sir thou art not what is love'.split()
-open('$work/corpus.txt', 'w').write('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(20000)))"
+source "$(dirname "$0")/fsdp_inputs.sh"
 args=(finetune --model "$work/tiny" --data "$work/corpus.txt" --stage sparse --steps 6 --seq-len 1024
       --batch-tokens 8192 --eval-every 2 --eval-tokens 2048 --backend triton --keep-best --save-dtype float32)
 first=(python3 -m flashdsa)
