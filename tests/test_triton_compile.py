@@ -274,12 +274,14 @@ def test_rope_kernel_compiles_for_hopper_and_blackwell(launches):
 
 
 def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
-    """V3.2's routing (256 experts, 8 groups keep 4, top-8) and ungrouped routing."""
+    """V3.2's routing (256 experts, 8 groups keep 4, top-8), ungrouped routing, and V4's (top-6 of
+    sqrt(softplus) scores)."""
     from flashdsa.runtime.moe.triton import routing
 
     logits, bias = torch.randn(3, 256), torch.randn(256)
     routing.select_experts(logits, bias, 8, 8, 4, True, 2.5)
     routing.select_experts(logits, bias, 6, 1, 1, False, 1.0)
+    routing.select_experts(logits, bias, 6, 1, 1, True, 1.5, "sqrtsoftplus")
     assert compile_all(launches, specialize=True) == ["_route_kernel"]
 
 

@@ -24,7 +24,7 @@ from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
-from flashdsa.runtime.moe import fused_moe
+from flashdsa.runtime.moe import fused_moe, select_experts
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -59,6 +59,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight.to(x.dtype)).float()
+        if not self.hashed and not torch.is_grad_enabled():  # one kernel on a GPU (~10 torch kernels else)
+            return select_experts(logits, self.e_score_correction_bias, self.top_k, 1, 1, True, self.scale,
+                                  scoring=self.scoring)
         if self.scoring == "softmax":
             scores = logits.softmax(dim=-1)
         else:

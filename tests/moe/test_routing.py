@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashdsa.runtime.moe import select_experts
+from flashdsa.runtime.moe.reference import routing_scores
 from flashdsa.testing import kernel_test_main, run_under_interpreter
 from moe_cases import SEED, generator
 
@@ -37,9 +38,10 @@ def restated(scores: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
     return torch.tensor(np.array(all_weights).reshape(shape)), torch.tensor(all_ids, dtype=torch.int32).view(shape)
 
 
-def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5, backend=None):
-    weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor, backend=backend)
-    scores = logits.sigmoid().cpu()  # the sigmoid of the op's device: the ranking starts from it
+def check_routing(logits, bias, top_k, n_group, topk_group, norm=True, factor=2.5, backend=None, scoring="sigmoid"):
+    weights, ids = select_experts(logits, bias, top_k, n_group, topk_group, norm, factor, scoring=scoring,
+                                  backend=backend)
+    scores = routing_scores(logits, scoring).cpu()  # the scores of the op's device: the ranking starts from them
     want_weights, want_ids = restated(scores, bias.cpu(), top_k, n_group, topk_group, norm, factor)
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     differ = int((ids.cpu() != want_ids).sum())
@@ -72,13 +74,34 @@ def test_routing_matches_the_restated_math(tokens, experts, top_k, n_group, topk
     check_routing(logits, bias, top_k, n_group, topk_group, backend=backend)
 
 
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax"])
+@pytest.mark.parametrize("tokens, experts, top_k", [(7, 256, 6), (5, 64, 8), (3, 9, 2)])
+def test_deepseek_v4_scorings_match_the_restated_math(tokens, experts, top_k, scoring, backend=None):
+    """V4's router: no groups, sqrt(softplus) (or softmax) scores, logits past softplus's threshold of 20."""
+    g = generator(tokens, experts, top_k, len(scoring))
+    logits = torch.randn(tokens, experts, generator=g) * 4
+    logits[0, :3] = torch.tensor([25.0, -30.0, 20.5])
+    check_routing(logits, torch.randn(experts, generator=g) * 0.1, top_k, 1, 1, True, 1.5, backend, scoring)
+
+
+def test_triton_routing_takes_sqrtsoftplus_not_softmax():
+    from flashdsa.runtime.moe import _triton_routes
+
+    assert _triton_routes(256, 6, scoring="sqrtsoftplus") is None
+    assert "sigmoid or sqrtsoftplus, got softmax" in _triton_routes(256, 6, scoring="softmax")
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        select_experts(torch.zeros(2, 8), torch.zeros(8), 2, 1, 1, True, 1.0, scoring="tanh")
+
+
 def triton_cases() -> None:
-    """Every case on the triton backend, with and without ties, plus unnormalized weights."""
+    """Every case on the triton backend, with and without ties, plus unnormalized weights and V4's scores."""
     for case in CASES:
         for ties in (False, True):
             test_routing_matches_the_restated_math(*case, ties, backend="triton")
     g = generator(1)
     check_routing(torch.randn(6, 32, generator=g), torch.randn(32, generator=g), 4, 4, 2, False, 1.5, "triton")
+    for case in [(7, 256, 6), (5, 64, 8), (3, 9, 2)]:
+        test_deepseek_v4_scorings_match_the_restated_math(*case, "sqrtsoftplus", backend="triton")
 
 
 def test_triton_routing_under_interpreter():

@@ -54,7 +54,13 @@ def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequ
     return None
 
 
-def _triton_routes(padded_experts: int, top_k: int, **_) -> Optional[str]:
+SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's scoring_func choices
+TRITON_SCORINGS = ("sigmoid", "sqrtsoftplus")
+
+
+def _triton_routes(padded_experts: int, top_k: int, scoring: str = "sigmoid", **_) -> Optional[str]:
+    if scoring not in TRITON_SCORINGS:
+        return f"triton routing scores with {' or '.join(TRITON_SCORINGS)}, got {scoring}"
     if padded_experts > TRITON_MAX_ROUTED:
         return f"triton routing holds at most {TRITON_MAX_ROUTED} (power-of-two padded) experts a row, got {padded_experts}"
     return None if top_k <= TRITON_MAX_TOP_K else f"triton routing takes top_k <= {TRITON_MAX_TOP_K}, got {top_k}"
@@ -74,9 +80,10 @@ def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                   norm_topk_prob: bool, routed_scaling_factor: float, *,
+                   norm_topk_prob: bool, routed_scaling_factor: float, *, scoring: str = "sigmoid",
                    backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 group-limited routing over sigmoid scores, on the device with no sync.
+    """DeepSeek-V3 group-limited routing over sigmoid scores (or DeepSeek-V4's ``scoring``:
+    ``sqrtsoftplus`` = sqrt(softplus(logits)), or ``softmax`` over the row), on the device with no sync.
 
     router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32 (bf16/fp16 widened),
     ``e_score_correction_bias``.
@@ -104,9 +111,12 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
     check(is_number and math.isfinite(routed_scaling_factor),
           f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
+    check(scoring in SCORINGS, f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
     padded = (1 << (n_group - 1).bit_length()) * (1 << (per_group - 1).bit_length())
-    impl = dispatch.select("select_experts", router_logits.device, backend, padded_experts=padded, top_k=top_k)
-    return impl(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob, float(routed_scaling_factor))
+    impl = dispatch.select("select_experts", router_logits.device, backend, padded_experts=padded, top_k=top_k,
+                           scoring=scoring)
+    return impl(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob, float(routed_scaling_factor),
+                scoring)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -22,9 +22,17 @@ def _descending(x: torch.Tensor) -> torch.Tensor:
     return x.sort(dim=-1, descending=True, stable=True).indices
 
 
+def routing_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The experts' scores ``[T, E]`` fp32: sigmoid (DeepSeek-V3), sqrt(softplus) or softmax (V4's options)."""
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(router_logits).sqrt()
+    return router_logits.softmax(dim=-1) if scoring == "softmax" else router_logits.sigmoid()
+
+
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                   norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = router_logits.sigmoid()  # [T, E]
+                   norm_topk_prob: bool, routed_scaling_factor: float,
+                   scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    scores = routing_scores(router_logits, scoring)  # [T, E]
     choice = scores + bias  # the load-balancing correction steers the choice, not the weights
     tokens, experts = choice.shape
     if topk_group < n_group:  # keep the groups with the largest sum of their two best scores

@@ -1,6 +1,8 @@
 """DeepSeek-V3 group-limited routing of one token row per Triton program (E <= 4096 in registers).
 
-The row is a [groups, experts per group] tile: sigmoid scores, the biased choice, each group's
+The row is a [groups, experts per group] tile: sigmoid scores (or DeepSeek-V4's sqrt(softplus):
+torch's softplus, ``x`` above 20, else libdevice's ``log1pf(expf(x))``, then a rounded square root),
+the biased choice, each group's
 two best, the kept groups (rank by count of better groups, ties to the lower group), then top_k
 rounds of "best available expert, lowest index on ties" - the order of the reference's stable
 descending sort. On a GPU the sigmoid is libdevice's ``expf`` and an IEEE division, as torch's
@@ -30,15 +32,33 @@ def _sigmoid(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _sqrt_softplus(x, LIBDEVICE: tl.constexpr):
+    """``sqrt(softplus(x))`` as torch computes it (softplus threshold 20). Without libdevice (the
+    interpreter) log1p(y) is log(1 + y) * y / ((1 + y) - 1), accurate for tiny y."""
+    if LIBDEVICE:
+        soft = libdevice.log1p(libdevice.exp(x))
+    else:
+        y = tl.exp(x)
+        u = 1.0 + y
+        soft = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.sqrt_rn(tl.where(x > 20.0, x, soft))
+
+
+@triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling, norm_eps, n_group, per_group,
                   TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPED: tl.constexpr, NORMALIZE: tl.constexpr,
-                  G_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+                  G_BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                  SQRT_SOFTPLUS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_BLOCK)
     p = tl.arange(0, P_BLOCK)[None, :]
     inside = (g[:, None] < n_group) & (p < per_group)
     expert = g[:, None] * per_group + p  # [G, P]
-    scores = _sigmoid(tl.load(logits_ptr + t * stride_l + expert, mask=inside, other=0.0), LIBDEVICE)
+    logits = tl.load(logits_ptr + t * stride_l + expert, mask=inside, other=0.0)
+    if SQRT_SOFTPLUS:
+        scores = _sqrt_softplus(logits, LIBDEVICE)
+    else:
+        scores = _sigmoid(logits, LIBDEVICE)
     choice = scores + tl.load(bias_ptr + expert, mask=inside, other=0.0)
     choice = tl.where(inside & (choice == choice), choice, float("-inf"))
     if GROUPED:  # keep the TOPK_GROUP groups with the largest sum of their two best choices
@@ -72,7 +92,8 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                   norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   norm_topk_prob: bool, routed_scaling_factor: float,
+                   scoring: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
     tokens, experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
@@ -83,5 +104,5 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
                              NORM_EPS, n_group, per_group, TOPK_GROUP=topk_group, TOP_K=top_k, GROUPED=topk_group < n_group,
                              NORMALIZE=norm_topk_prob, G_BLOCK=triton.next_power_of_2(n_group),
                              P_BLOCK=triton.next_power_of_2(per_group), K_BLOCK=triton.next_power_of_2(top_k),
-                             LIBDEVICE=not interpreting(), num_warps=4)
+                             LIBDEVICE=not interpreting(), SQRT_SOFTPLUS=scoring == "sqrtsoftplus", num_warps=4)
     return weights, ids
