@@ -250,13 +250,17 @@ def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):
 
 
 def test_norm_kernel_compiles_for_hopper_and_blackwell(launches):
-    """RMSNorm with and without the fused residual, at the widths of V3.2's four norms per layer."""
+    """RMSNorm with and without the fused residual, at the widths of V3.2's four norms per layer, and
+    DeepSeek-V4's (an fp32 weight multiplied in fp32; the weightless head normalization)."""
     from flashdsa.runtime.norm.triton import rms_norm
 
     for dim in (7168, 1536, 512):
         x = torch.randn(2, dim).bfloat16()
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, None)
         rms_norm.rms_norm(x, torch.ones(dim).bfloat16(), 1e-6, x)
+    x = torch.randn(2, 4096).bfloat16()
+    rms_norm.rms_norm(x, torch.ones(4096), 1e-6, None, True)
+    rms_norm.rms_norm(x[:, :512], None, 1e-6, None)
     assert compile_all(launches, specialize=True) == ["_rms_norm_kernel"]
 
 

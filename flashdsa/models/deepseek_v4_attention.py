@@ -23,7 +23,7 @@ from torch import nn
 
 from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
-from flashdsa.models.hyper_connections import RMSNorm, rms_normalize
+from flashdsa.models.hyper_connections import RMSNorm, normalize_heads
 from flashdsa.models.rope import RopeAt, Rotary
 
 QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
@@ -154,7 +154,7 @@ class DeepseekV4Attention(nn.Module):
         """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
         kv ``[T, D]``), q and kv RoPE'd."""
         q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = rms_normalize(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), self.eps)
+        q = normalize_heads(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), self.eps)
         return q_residual, rope_at.rotate_tail(q), rope_at.rotate_tail(self.kv_norm(self.kv_proj(x)))
 
     def output(self, out: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:

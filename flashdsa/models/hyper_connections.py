@@ -14,7 +14,7 @@ from torch import nn
 from flashdsa.runtime.hyper import hc_head, hc_post, hc_pre, rms_normalize
 from flashdsa.runtime.norm import rms_norm
 
-__all__ = ["RMSNorm", "HyperConnection", "HyperHead", "rms_normalize"]
+__all__ = ["RMSNorm", "HyperConnection", "HyperHead", "normalize_heads"]
 
 
 def _needs_autograd(*tensors: torch.Tensor) -> bool:
@@ -24,6 +24,14 @@ def _needs_autograd(*tensors: torch.Tensor) -> bool:
 def _backend(*tensors: torch.Tensor) -> str | None:
     """``"reference"`` (differentiable torch) when autograd must see the computation, else None (dispatch)."""
     return "reference" if _needs_autograd(*tensors) else None
+
+
+def normalize_heads(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_normalize`` over the last dim of ``x: [..., D]`` (no weight); without autograd one fused
+    kernel (``runtime.norm.rms_norm`` with no weight; ~7 torch kernels else)."""
+    if _needs_autograd(x) or x.dtype == torch.float64:
+        return rms_normalize(x, eps)
+    return rms_norm(x.reshape(-1, x.shape[-1]), None, float(eps))[0].view(x.shape)
 
 
 class RMSNorm(nn.Module):

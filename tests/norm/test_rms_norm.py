@@ -19,8 +19,9 @@ def check_against_reference(device: str, dtype: torch.dtype) -> None:
         x = wide[:, :dim]  # strided rows, as the model's c_kv view
         weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(device, dtype)
         residual = torch.randn(rows, dim, generator=g).to(device, dtype)
-        for res, fp32_product in ((None, False), (residual, False), (None, True), (residual, True)):
-            w = weight.float() if fp32_product else weight  # DeepSeek-V4: an fp32 weight on bf16 rows
+        for res, fp32_product, w in ((None, False, weight), (residual, False, weight), (None, True, weight.float()),
+                                     (residual, True, weight.float()), (None, False, None)):
+            # fp32_product: DeepSeek-V4's fp32 weight on bf16 rows; None: its weightless head norm
             got_y, got_h = rms_norm(x, w, 1e-6, res, fp32_product=fp32_product, backend="triton")
             ref_y, ref_h = rms_norm(x, w, 1e-6, res, fp32_product=fp32_product, backend="reference")
             assert got_y.dtype == dtype and got_y.shape == (rows, dim)
@@ -42,6 +43,14 @@ def test_reference_is_hugging_face_rmsnorm():
     assert torch.equal(h, x + x) and torch.equal(y, rms_norm(x + x, w, 1e-6)[0])
 
 
+def test_without_a_weight_it_is_deepseek_v4s_head_normalization():
+    from flashdsa.runtime.hyper import rms_normalize
+
+    x = torch.randn(5, 64).bfloat16()
+    y, h = rms_norm(x, None, 1e-6, backend="reference")
+    assert torch.equal(y, rms_normalize(x, 1e-6)) and h is None
+
+
 def test_fp32_product_is_deepseek_v4s_rmsnorm():
     from flashdsa.models.hyper_connections import RMSNorm
 
@@ -58,7 +67,7 @@ def test_fp32_product_is_deepseek_v4s_rmsnorm():
 @pytest.mark.parametrize("bad, message", [
     (dict(weight=torch.ones(8)), "weight must be"), (dict(eps=0.0), "eps must be"),
     (dict(residual=torch.ones(2, 16)), "residual must be"), (dict(x=torch.ones(4, 16, dtype=torch.int32)), "x must be"),
-    (dict(fp32_product=1), "fp32_product must be")])
+    (dict(fp32_product=1), "fp32_product must be"), (dict(weight=torch.ones(16, 2)), "weight must be")])
 def test_bad_arguments_name_themselves(bad, message):
     args = dict(x=torch.ones(4, 16), weight=torch.ones(16), eps=1e-6, residual=None) | bad
     with pytest.raises(ValueError, match=message):

@@ -7,10 +7,13 @@ from typing import Optional
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, residual: Optional[torch.Tensor],
              fp32_product: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     h = x if residual is None else x + residual
     hf = h.float()
-    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return h * rstd.to(x.dtype), (None if residual is None else h)
+    normed = hf * rstd
     y = (weight.float() * normed).to(x.dtype) if fp32_product else weight * normed.to(x.dtype)
     return y, (None if residual is None else h)
