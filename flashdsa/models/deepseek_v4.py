@@ -35,7 +35,8 @@ from flashdsa.models.deepseek_v4_attention import AttentionState, DeepseekV4Atte
 from flashdsa.models.deepseek_v4_caches import V4Caches, allocate_v4_caches, bytes_per_block, bytes_per_slot
 from flashdsa.models.deepseek_v4_config import SLIDING, DeepseekV4Config
 from flashdsa.models.deepseek_v4_paged import StepPlan, paged_attention
-from flashdsa.models.deepseek_v4_moe import DeepseekV4MoE
+from flashdsa.models.deepseek_v4_moe import DeepseekV4MoE, SharedExpert
+from flashdsa.models.linear import fuse_shared_input
 from flashdsa.models.hyper_connections import HyperConnection, HyperHead, RMSNorm
 from flashdsa.models.rope import Rotary
 from flashdsa.runtime.cache.layout_v4 import V4_HEAD_DIM, V4_ROPE_DIM
@@ -144,6 +145,19 @@ class DeepseekV4ForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    def prepare_for_inference(self) -> None:
+        """Once loaded, before serving (the model runner calls it): in production mode the linear
+        layers that read one input run as one GEMM each: an attention block's input projections
+        (``DeepseekV4Attention.fuse_input_projections``) and a shared expert's gate and up. Reference
+        mode, the layer-by-layer oracle, keeps them apart. Idempotent."""
+        if self.mode != "production":
+            return
+        for module in self.modules():
+            if isinstance(module, DeepseekV4Attention):
+                module.fuse_input_projections()
+            elif isinstance(module, SharedExpert):
+                fuse_shared_input(module, [module.gate_proj, module.up_proj])
 
     @property
     def has_mtp(self) -> bool:

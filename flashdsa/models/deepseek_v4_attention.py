@@ -24,6 +24,7 @@ from torch import nn
 from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from flashdsa.models.hyper_connections import RMSNorm, normalize_heads
+from flashdsa.models.linear import fuse_shared_input
 from flashdsa.models.rope import RopeAt, Rotary
 
 QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
@@ -149,6 +150,19 @@ class DeepseekV4Attention(nn.Module):
             indices = torch.cat([indices, torch.where(picked >= 0, picked + rows.shape[0], -1)], dim=1)
             pool = torch.cat([rows, entries])
         return self.output(sparse_sink_attention(q, pool, indices, self.sinks, self.head_dim**-0.5), rope_at)
+
+    def fuse_input_projections(self) -> None:
+        """For inference: the projections that read the block's input (q_a, kv, the compressors' kv
+        and gate, the indexer's head weights) run as one GEMM per kind, each answering from it
+        wherever it is called (``linear.fuse_shared_input``); training and checkpoints see them as before."""
+        parts = [self.q_a_proj, self.kv_proj]
+        compressor = getattr(self, "compressor", None)
+        if compressor is not None:
+            parts += [compressor.kv_proj, compressor.gate_proj]
+            indexer = getattr(compressor, "indexer", None)
+            if indexer is not None:
+                parts += [indexer.kv_proj, indexer.gate_proj, indexer.scorer.weights_proj]
+        fuse_shared_input(self, parts)
 
     def project(self, x: torch.Tensor, rope_at: RopeAt):
         """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,

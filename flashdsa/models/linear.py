@@ -12,6 +12,7 @@ one GEMM (inference only).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -123,8 +124,37 @@ class FusedLinear(nn.Module):
             y = F.linear(x, self.weight)
         return y.split(self.sizes, -1)
 
+    def serve_parts(self, parts: Sequence[nn.Module]) -> None:
+        """Make each of ``parts`` (this fusion's, in order) answer from the fused GEMM wherever it is
+        called: the first part called with an input runs the GEMM for all of them, the others take
+        their slice while that input is the latest (inference only: autograd would see the parts'
+        own weights unused)."""
+        self._latest: Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = None
+        for index, part in enumerate(parts):
+            part.forward = partial(_fused_part, self, index)
+
+
+def _fused_part(fused: FusedLinear, index: int, x: torch.Tensor) -> torch.Tensor:
+    latest = fused._latest
+    if latest is None or latest[0] is not x:
+        latest = fused._latest = (x, fused(x))
+    return latest[1][index]
+
     def extra_repr(self) -> str:
         return f"out_features={'+'.join(map(str, self.sizes))}{', fp8 block 128x128' if self.fp8 else ''}"
+
+
+def fuse_shared_input(owner: nn.Module, parts: Sequence[nn.Module]) -> None:
+    """At inference, run the linear layers ``parts``, which all read one input, as one GEMM per kind
+    (FP8 or plain; :meth:`FusedLinear.serve_parts`), each registered on ``owner``; a part whose width
+    is off the 128-row scale blocks goes last. Kinds that cannot fuse stay as they are. Idempotent."""
+    for kind in (FP8Linear, nn.Linear):
+        name = f"fused_{kind.__name__.lower()}"
+        group = sorted((p for p in parts if type(p) is kind), key=lambda p: p.out_features % GROUP != 0)
+        if not hasattr(owner, name) and fusion_refusal(group) is None:
+            fused = FusedLinear(group)
+            fused.serve_parts(group)
+            owner.add_module(name, fused)
 
 
 def fusion_refusal(parts: Sequence[nn.Module]) -> Optional[str]:

@@ -11,6 +11,7 @@ from flashdsa.models.deepseek_v4_caches import (
     entries_per_block,
     entry_slots,
 )
+from flashdsa.models.deepseek_v4_attention import DeepseekV4Attention
 from flashdsa.models.deepseek_v4_loader import load_v4_model
 from flashdsa.models.deepseek_v4_tiny import make_tiny_v4_checkpoint
 from flashdsa.runtime.metadata import BatchMetadata
@@ -21,6 +22,12 @@ BLOCKS_PER_SEQ = 8  # 512 tokens
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4paged"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def release_checkpoint(tmp_path_factory):
+    """The tiny V4 checkpoint in the release's formats (FP8 linears, FP4 experts)."""
+    return make_tiny_v4_checkpoint(tmp_path_factory.mktemp("v4release"), seed=5, fp8=True, fp4_experts=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +97,29 @@ def test_decode_across_an_hca_window_end_equals_the_one_sequence_path(reference,
     torch.testing.assert_close(got["s"], reference.forward_sequence(ids).logits, rtol=1e-4, atol=1e-4)
     ratios = {r for r in reference.config.compress_ratios if r}
     assert len(built) == len(set(built)) == 15 * len(ratios), built
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_fused_input_projections_keep_the_logits(checkpoint, release_checkpoint, sequences, release, monkeypatch):
+    """prepare_for_inference runs each attention block's input projections (q_a, kv, compressors,
+    indexer head weights) and each shared expert's gate and up as one GEMM per kind: the same logits
+    as the separate layers, with one GEMM where there were several."""
+    from flashdsa.models.linear import FusedLinear
+
+    model = load_v4_model(release_checkpoint if release else checkpoint, mode="production")
+    want, _ = run_steps(model, sequences, STEPS[:2])
+    model.prepare_for_inference()
+    model.prepare_for_inference()  # idempotent
+    fused = [m for m in model.modules() if isinstance(m, FusedLinear)]
+    blocks = [m for m in model.modules() if isinstance(m, DeepseekV4Attention)]
+    assert all(any(isinstance(c, FusedLinear) for c in block.children()) for block in blocks), [f.sizes for f in fused]
+    calls = []
+    forward = FusedLinear.forward
+    monkeypatch.setattr(FusedLinear, "forward", lambda self, x: calls.append(id(self)) or forward(self, x))
+    got, _ = run_steps(model, sequences, STEPS[:2])
+    assert len(calls) == 2 * len(fused), "each fusion runs once a step"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-3)
 
 
 def test_production_mode_tracks_the_bf16_one_sequence_path(checkpoint, sequences):
