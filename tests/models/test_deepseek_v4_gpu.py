@@ -39,6 +39,7 @@ def _step(starts: list[int], counts: list[int], slots: list[int]) -> BatchMetada
 
 def test_decode_step_is_sync_free_and_replays_as_a_graph(checkpoint):
     model = load_v4_model(checkpoint, "cuda", mode="production")
+    model.prepare_for_inference()  # as the model runner does: shared-input projections fused
     caches = model.allocate_caches(24, 3)
     prompt = torch.randint(2, 500, (2, 260), device="cuda")
     with trusted_values():
