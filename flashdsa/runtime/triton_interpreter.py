@@ -8,7 +8,9 @@ touches this):
 - ``tl.dot`` on bf16 operands multiplies their raw uint16 bit patterns; they are widened to
   fp32 first here (exact), as a GPU tensor core does;
 - float -> bf16 and float -> e4m3 casts truncate (and mishandle subnormals) instead of rounding
-  to nearest even like the GPU; they go through torch's casts here.
+  to nearest even like the GPU; they go through torch's casts here;
+- arithmetic on two bf16 operands (``x + residual`` of two bf16 loads) adds their raw uint16 bit
+  patterns; it is computed in fp32 and rounded to bf16 here, as the GPU does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ def _rounding_cast(cast):
     return patched
 
 
+def _bf16_arithmetic(create):
+    """Wrap a float binary op of the interpreter so bf16 operands compute in fp32 and round back."""
+
+    def patched(self, lhs, rhs):
+        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
+            return create(self, lhs, rhs)
+        out = create(self, _bf16_as_fp32(lhs), _bf16_as_fp32(rhs)).data
+        bits = torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(torch.bfloat16).view(torch.uint16)
+        return interpreter.TensorHandle(bits.numpy().reshape(np.shape(out)), tl.bfloat16)
+
+    return patched
+
+
+BF16_ARITHMETIC = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_precise_divf", "create_frem",
+                   "create_minimumf", "create_maximumf", "create_minnumf", "create_maxnumf")
+
+
 def patch_interpreter() -> None:
     """Install the fixes (idempotent)."""
     if getattr(interpreter, "_flashdsa_patched", False):
@@ -59,6 +78,8 @@ def patch_interpreter() -> None:
         return create_dot(self, _bf16_as_fp32(a), _bf16_as_fp32(b), d, *args)
 
     builder = interpreter.InterpreterBuilder
+    for name in BF16_ARITHMETIC:
+        setattr(builder, name, _bf16_arithmetic(getattr(builder, name)))
     builder.cast_impl = _rounding_cast(builder.cast_impl)
     builder.create_fp_to_fp = _rounding_cast(builder.create_fp_to_fp)
     interpreter._patch_lang_tensor = patched_tensor
