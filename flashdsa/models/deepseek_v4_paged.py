@@ -241,7 +241,7 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
     meta, shared = plan.meta, plan.entries(module.ratio)
     kv, gate = module.kv_proj(x), module.gate_proj(x)
     fresh = plan.starts == 0
-    if plan.decode:  # in place on the state pool; the windows it closes are shared.ids'
+    if plan.decode:  # in place on the state pool; which windows close is the step's (EntryPlan)
         pooled, _ = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
                                          state_slots=plan.slots, fresh=fresh)
     else:

@@ -26,12 +26,19 @@ def _backend(*tensors: torch.Tensor) -> str | None:
     return "reference" if _needs_autograd(*tensors) else None
 
 
+def _fused_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, **options) -> torch.Tensor | None:
+    """``runtime.norm.rms_norm`` over the last dim of ``x: [..., D]``, or None where the torch
+    expression must run instead (autograd must see it, or fp64, which the kernel does not take)."""
+    if _needs_autograd(x, *([] if weight is None else [weight])) or x.dtype == torch.float64:
+        return None
+    return rms_norm(x.reshape(-1, x.shape[-1]), weight, float(eps), **options)[0].view(x.shape)
+
+
 def normalize_heads(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``rms_normalize`` over the last dim of ``x: [..., D]`` (no weight); without autograd one fused
     kernel (``runtime.norm.rms_norm`` with no weight; ~7 torch kernels else)."""
-    if _needs_autograd(x) or x.dtype == torch.float64:
-        return rms_normalize(x, eps)
-    return rms_norm(x.reshape(-1, x.shape[-1]), None, float(eps))[0].view(x.shape)
+    y = _fused_norm(x, None, eps)
+    return rms_normalize(x, eps) if y is None else y
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +51,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _needs_autograd(x, self.weight) and x.dtype != torch.float64:
-            y, _ = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, float(self.eps), fp32_product=True)
-            return y.view(x.shape)
+        y = _fused_norm(x, self.weight, self.eps, fp32_product=True)
+        if y is not None:
+            return y
         h = x.float()
         h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)

@@ -133,15 +133,16 @@ class FusedLinear(nn.Module):
         for index, part in enumerate(parts):
             part.forward = partial(_fused_part, self, index)
 
+    def extra_repr(self) -> str:
+        return f"out_features={'+'.join(map(str, self.sizes))}{', fp8 block 128x128' if self.fp8 else ''}"
+
 
 def _fused_part(fused: FusedLinear, index: int, x: torch.Tensor) -> torch.Tensor:
+    """Part ``index``'s output for ``x``: a slice of the fused GEMM, run once per input."""
     latest = fused._latest
     if latest is None or latest[0] is not x:
         latest = fused._latest = (x, fused(x))
     return latest[1][index]
-
-    def extra_repr(self) -> str:
-        return f"out_features={'+'.join(map(str, self.sizes))}{', fp8 block 128x128' if self.fp8 else ''}"
 
 
 def fuse_shared_input(owner: nn.Module, parts: Sequence[nn.Module]) -> None:

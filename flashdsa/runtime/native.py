@@ -200,8 +200,9 @@ def build(ext: Extension) -> Path:
     with exclusive(directory):
         try:
             cpp_extension.load(name=ext.name, sources=[str(p) for p in ext.files(".cu", ".cpp")],
-                               extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=_link_flags(), extra_include_paths=_cuda_includes(home),
-                               build_directory=str(directory), is_python_module=False,
+                               extra_cuda_cflags=NVCC_FLAGS, extra_ldflags=_link_flags(),
+                               extra_include_paths=_cuda_includes(home), build_directory=str(directory),
+                               is_python_module=False,
                                verbose=logger.isEnabledFor(logging.DEBUG))
         except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
             output = str(e) + str(getattr(e, "output", "") or "")
