@@ -73,17 +73,24 @@ def test_rows_off_16_byte_boundaries_match(offset, width):
 @pytest.mark.gpu
 def test_crowded_threshold_bins_resolve_every_digit():
     """Scores in a narrow band (every score in the top bin: the second and third digit passes read
-    the row), all equal (the lowest columns win), and many copies of the threshold score."""
+    the row), all equal (the lowest columns win), many copies of the threshold score (more than the
+    4096 candidates held in shared memory: the ordered pass; fewer: the select on columns), and
+    equal scores above the threshold (sorted by column)."""
     g = generator(7)
-    logits = torch.randn(6, 50000, generator=g)
+    logits = torch.randn(8, 50000, generator=g)
     logits[0] = 1.0 + torch.randint(0, 50, (50000,), generator=g).float() * 2**-20
     logits[1] = 3.0
     logits[2, :] = -1.0
     logits[2, torch.randperm(50000, generator=g)[:5000]] = 2.0  # 5000 tied at the threshold, 2048 taken
     logits[3] = torch.randint(0, 3, (50000,), generator=g).float()
     logits[4] = 1.0 + torch.randint(0, 2**14, (50000,), generator=g).float() * 2**-22  # crowded in digit 2
+    logits[5:7] = -1.0
+    columns = torch.randperm(50000, generator=g)
+    logits[5, columns[:3000]] = 2.0  # 3000 tied at the threshold, 2048 taken by the lowest columns
+    logits[6, columns[:1000]] = 3.0  # 1000 equal above the threshold, then 1048 of 2500 tied
+    logits[6, columns[1000:3500]] = 2.0
     check(logits.to(cuda), 2048)
-    check(logits.to(cuda), 17, *random_ranges(6, 50000, g))
+    check(logits.to(cuda), 17, *random_ranges(8, 50000, g))
     assert indexer_topk(logits[1:2].to(cuda), 2048, backend="cuda").tolist() == [list(range(2048))]
 
 

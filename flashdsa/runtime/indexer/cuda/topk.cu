@@ -1,5 +1,5 @@
 // Indexer top-k for Hopper: one CTA per row, a radix select on the scores' order-preserving
-// 32-bit keys, then a sort (or a merge by position) of the selection in shared memory.
+// 32-bit keys, then a sort of the selection in shared memory.
 //
 // Contract (flashdsa.runtime.indexer.indexer_topk): out[row] holds the columns of the topk
 // largest finite scores of logits[row, start:end), by descending score with ties to the lower
@@ -10,14 +10,18 @@
 //     the bin holding the k-th largest is the threshold prefix, the bins above it are taken whole;
 //  2. while the threshold bin holds more than CAND_CAP scores, re-read the row and histogram the
 //     next digit (11, then 10 bits) of the scores in it (never on spread-out scores);
-//  3. one ordered pass (a block scan per tile keeps column order) appends the columns above the
-//     threshold prefix to the selected list and those level with it to the candidate list (at
-//     full key depth, the first `need` of them: the lower columns win ties);
-//  4. the candidates' remaining digits are resolved in shared memory and they are compacted in
-//     order: above the exact threshold key, or level with it and among the first `need`;
-//  5. sorted: a stable radix sort by key, descending (equal keys sit in column order, so the lower
-//     column comes first); unsorted: the two column-ordered lists are merged.
-// Scores stream through 128-bit loads (each row's tiles start at a 16-byte aligned column).
+//  3. one more pass over the row appends the columns above the threshold prefix to the selected
+//     list and those level with it to the candidate list, in any order (one shared-memory atomic
+//     per warp and list, no block barrier, so the loads of successive tiles overlap);
+//  4. the candidates' remaining digits are resolved in shared memory down to the exact threshold
+//     key; of the candidates level with it, the lowest columns are kept (a radix select on the
+//     columns when there are more than needed);
+//  5. the selection is radix sorted: by (key descending, column ascending) packed in 64 bits, or
+//     by column.
+// Only a row whose exact threshold key is held by more than CAND_CAP scores (a crowded tie) takes
+// an ordered pass instead of 3-4: a block scan per tile keeps column order, so the first columns
+// of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
+// aligned column).
 
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -40,7 +44,8 @@ constexpr int SORT_ITEMS = MAX_TOPK / THREADS;
 constexpr int CAND_ITEMS = CAND_CAP / THREADS;
 constexpr int WARPS = THREADS / 32;
 
-using Sort = cub::BlockRadixSort<uint32_t, THREADS, SORT_ITEMS, int>;
+using SortByScore = cub::BlockRadixSort<uint64_t, THREADS, SORT_ITEMS>;  // (key, ~column) packed
+using SortByColumn = cub::BlockRadixSort<uint32_t, THREADS, SORT_ITEMS>;
 
 struct Shared {
   union {
@@ -48,13 +53,16 @@ struct Shared {
       uint32_t hist[BINS];
       uint32_t cand_key[CAND_CAP];
       int cand_pos[CAND_CAP];
+      uint32_t tie_key[CAND_CAP];  // the inverted columns of the candidates level with the threshold
     } select;
-    typename Sort::TempStorage sort;
+    typename SortByScore::TempStorage by_score;
+    typename SortByColumn::TempStorage by_column;
   };
   uint32_t sel_key[MAX_TOPK];
   int sel_pos[MAX_TOPK];
   ulonglong2 warp_sums[WARPS];
   int digit, above, level_count, need;  // the last pick_digit
+  int num_sel, num_cand, num_ties;      // list lengths appended to by atomics
 };
 
 static_assert(sizeof(Shared) <= 113 * 1024, "two CTAs per SM need at most 113 KB of shared memory each");
@@ -183,10 +191,63 @@ __device__ void histogram_row(const float* row, int lo, int hi, int width, int l
   __syncthreads();
 }
 
-// Ordered pass: columns whose key >> shift is above `prefix` are appended to the selected list,
-// those equal to it to the candidate list (only the first `keep_equal` of them when exact).
-__device__ void collect_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix, bool exact,
-                            int keep_equal, int& num_sel, int& num_cand, Shared& s) {
+// Reserves room for `count` entries of this thread in a shared list: one atomic per warp on
+// `length`, the lanes' slots in lane order. Every lane of the warp calls it.
+__device__ __forceinline__ int reserve(int count, int* length) {
+  const int lane = threadIdx.x & 31;
+  int inclusive = count;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += x;
+  }
+  int base = 0;
+  if (lane == 31 && inclusive > 0) base = atomicAdd(length, inclusive);
+  return __shfl_sync(0xffffffffu, base, 31) + inclusive - count;
+}
+
+// Unordered pass: columns whose key >> shift is above `prefix` are appended to the selected list,
+// those equal to it to the candidate list (s.num_sel, s.num_cand long after the call).
+__device__ void gather_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix, Shared& s) {
+  if (threadIdx.x == 0) s.num_sel = s.num_cand = 0;
+  __syncthreads();
+  Tile tile;
+#pragma unroll 2
+  for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
+    tile.load(row, base, lo, hi, width);
+    int above = 0, equal = 0;
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const uint32_t high = tile.key[j][i] >> shift;
+        above += tile.key[j][i] != 0 && high > prefix;
+        equal += tile.key[j][i] != 0 && high == prefix;
+      }
+    if (!__any_sync(0xffffffffu, above + equal)) continue;  // most tiles of a long row
+    int a = reserve(above, &s.num_sel), e = reserve(equal, &s.num_cand);
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const uint32_t k = tile.key[j][i];
+        if (k == 0) continue;
+        if ((k >> shift) > prefix) {
+          s.sel_key[a] = k;
+          s.sel_pos[a++] = Tile::pos(base, j, i);
+        } else if ((k >> shift) == prefix) {
+          s.select.cand_key[e] = k;
+          s.select.cand_pos[e++] = Tile::pos(base, j, i);
+        }
+      }
+  }
+  __syncthreads();
+}
+
+// Ordered pass at full key depth: columns whose key is above `threshold` are appended to the
+// selected list and the first `keep_equal` level with it to the candidate list, in column order.
+__device__ void collect_row_in_order(const float* row, int lo, int hi, int width, uint32_t threshold, int keep_equal,
+                                     int& num_sel, int& num_cand, Shared& s) {
   num_sel = 0;
   num_cand = 0;
   Tile tile;
@@ -197,10 +258,9 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
     for (int j = 0; j < LOADS; ++j)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const uint32_t high = tile.key[j][i] >> shift;
-        const bool ok = tile.key[j][i] != 0;
-        packed_above += static_cast<unsigned long long>(ok && high > prefix) << (16 * j);
-        packed_equal += static_cast<unsigned long long>(ok && high == prefix) << (16 * j);
+        const uint32_t k = tile.key[j][i];
+        packed_above += static_cast<unsigned long long>(k != 0 && k > threshold) << (16 * j);
+        packed_equal += static_cast<unsigned long long>(k != 0 && k == threshold) << (16 * j);
       }
     ulonglong2 total;
     const ulonglong2 before = block_exclusive_sum(make_ulonglong2(packed_above, packed_equal), total, s);
@@ -212,13 +272,12 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         const uint32_t k = tile.key[j][i];
-        const uint32_t high = k >> shift;
         const int p = Tile::pos(base, j, i);
-        if (k != 0 && high > prefix) {
+        if (k != 0 && k > threshold) {
           s.sel_key[a] = k;
           s.sel_pos[a++] = p;
-        } else if (k != 0 && high == prefix) {
-          if (!exact || e < keep_equal) {
+        } else if (k != 0 && k == threshold) {
+          if (e < keep_equal) {
             s.select.cand_key[e] = k;
             s.select.cand_pos[e] = p;
           }
@@ -231,95 +290,103 @@ __device__ void collect_row(const float* row, int lo, int hi, int width, int shi
     num_sel = sel_at;
     num_cand = cand_at;
   }
-  if (exact) num_cand = min(num_cand, keep_equal);
+  num_cand = min(num_cand, keep_equal);
   __syncthreads();
 }
 
-// Resolves digits `level`.. of the candidates (all level with `prefix` above digit `level`), then
-// keeps, in order, those above the exact threshold key and the first `need` level with it.
-// Returns how many are kept.
-__device__ int refine_candidates(int num_cand, int level, uint32_t prefix, int need, Shared& s) {
+// The exact key of the need-th largest of keys[0, n), resolving digits `level`.. of those whose
+// digits above `level` equal `prefix` (all of them at level 0); `need` becomes how many entries
+// level with that key are taken.
+__device__ uint32_t exact_threshold(const uint32_t* keys, int n, int level, uint32_t prefix, int& need, Shared& s) {
   for (; level < LEVELS; ++level) {
     for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
     __syncthreads();
-    const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1, above_shift = shift_of(level - 1);
-    for (int c = threadIdx.x; c < num_cand; c += THREADS) {
-      const uint32_t k = s.select.cand_key[c];
-      if ((k >> above_shift) == prefix) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
+    const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
+    for (int c = threadIdx.x; c < n; c += THREADS) {
+      const uint32_t k = keys[c];
+      if (level == 0 || (k >> shift_of(level - 1)) == prefix) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
     }
     __syncthreads();
     pick_digit(1 << bits_of(level), need, s);
     prefix = (prefix << bits_of(level)) | static_cast<uint32_t>(s.digit);
     need -= s.above;
   }
-  // prefix is the exact threshold key; thread t owns candidates [CAND_ITEMS * t, CAND_ITEMS * (t + 1))
+  return prefix;
+}
+
+// Keeps, of the candidates (level with `prefix` above digit `level`), the `need` largest, ties to
+// the lower column, compacted to the front of the candidate list in any order. Returns `need`.
+__device__ int keep_candidates(int num_cand, int level, uint32_t prefix, int need, Shared& s) {
+  const uint32_t threshold = exact_threshold(s.select.cand_key, num_cand, level, prefix, need, s);
+  if (threadIdx.x == 0) s.num_ties = s.num_cand = 0;
+  __syncthreads();
   uint32_t key[CAND_ITEMS];
   int pos[CAND_ITEMS];
-  unsigned long long equal = 0;
+  int ties = 0;
 #pragma unroll
   for (int i = 0; i < CAND_ITEMS; ++i) {
-    const int c = CAND_ITEMS * threadIdx.x + i;
+    const int c = THREADS * i + threadIdx.x;
     key[i] = c < num_cand ? s.select.cand_key[c] : 0;
     pos[i] = c < num_cand ? s.select.cand_pos[c] : 0;
-    equal += c < num_cand && key[i] == prefix;
+    ties += key[i] == threshold;  // key 0 never: a candidate is finite
   }
-  ulonglong2 total;
-  int equal_rank = static_cast<int>(block_exclusive_sum(make_ulonglong2(equal, 0), total, s).x);
-  bool keep[CAND_ITEMS];
-  unsigned long long kept = 0;
-#pragma unroll
-  for (int i = 0; i < CAND_ITEMS; ++i) {
-    const int c = CAND_ITEMS * threadIdx.x + i;
-    const bool level_with = c < num_cand && key[i] == prefix;
-    keep[i] = c < num_cand && (key[i] > prefix || (level_with && equal_rank < need));
-    equal_rank += level_with;
-    kept += keep[i];
+  const int tie_at = reserve(ties, &s.num_ties);
+  __syncthreads();
+  uint32_t lowest_kept = 0;  // ties are kept while their inverted column is at least this
+  if (s.num_ties > need) {   // more ties than room: the lowest columns, by a select on ~column
+    for (int i = 0, t = tie_at; i < CAND_ITEMS; ++i)
+      if (key[i] == threshold) s.select.tie_key[t++] = ~static_cast<uint32_t>(pos[i]);
+    __syncthreads();
+    int exact_need = need;
+    lowest_kept = exact_threshold(s.select.tie_key, s.num_ties, 0, 0, exact_need, s);
   }
-  int at = static_cast<int>(block_exclusive_sum(make_ulonglong2(kept, 0), total, s).x);
+  int kept = 0;
 #pragma unroll
   for (int i = 0; i < CAND_ITEMS; ++i)
-    if (keep[i]) {
+    kept += key[i] > threshold || (key[i] == threshold && ~static_cast<uint32_t>(pos[i]) >= lowest_kept);
+  int at = reserve(kept, &s.num_cand);  // the candidates are in registers: overwriting the list is safe
+#pragma unroll
+  for (int i = 0; i < CAND_ITEMS; ++i)
+    if (key[i] > threshold || (key[i] == threshold && ~static_cast<uint32_t>(pos[i]) >= lowest_kept)) {
       s.select.cand_key[at] = key[i];
       s.select.cand_pos[at++] = pos[i];
     }
   __syncthreads();
-  return static_cast<int>(total.x);
+  return need;
 }
 
-// Number of entries of the ascending list[0, n) below value.
-__device__ __forceinline__ int count_below(const int* list, int n, int value) {
-  int lo = 0;
-  while (n > 0) {
-    const int half = n >> 1;
-    if (list[lo + half] < value) { lo += half + 1; n -= half + 1; } else { n = half; }
-  }
-  return lo;
-}
-
-__device__ void write_sorted(int num_sel, int num_cand, int topk, int* out, Shared& s) {
-  uint32_t key[SORT_ITEMS];
-  int pos[SORT_ITEMS];
-#pragma unroll
-  for (int i = 0; i < SORT_ITEMS; ++i) {
-    const int r = SORT_ITEMS * threadIdx.x + i;  // selected first, then kept candidates: equal keys stay in column order
-    key[i] = r < num_sel ? s.sel_key[r] : r < num_sel + num_cand ? s.select.cand_key[r - num_sel] : 0u;
-    pos[i] = r < num_sel ? s.sel_pos[r] : r < num_sel + num_cand ? s.select.cand_pos[r - num_sel] : -1;
-  }
-  __syncthreads();  // the sort's storage overlays the candidates
-  Sort(s.sort).SortDescending(key, pos);  // stable; key 0 is no finite score's key, so padding sorts last
+// Sorts the selected list and the kept candidates together into out[0, topk), -1 padded.
+__device__ void write_selection(int num_sel, int num_cand, int topk, int width, bool sorted, int* out, Shared& s) {
+  const int n = num_sel + num_cand;
+  const int column_bits = 32 - __clz(max(width - 1, 1));  // every column fits
+  const uint32_t last_column = static_cast<uint32_t>((uint64_t{1} << column_bits) - 1);
+  uint64_t item[SORT_ITEMS];
 #pragma unroll
   for (int i = 0; i < SORT_ITEMS; ++i) {
     const int r = SORT_ITEMS * threadIdx.x + i;
-    if (r < topk) out[r] = r < num_sel + num_cand ? pos[i] : -1;
+    const uint32_t key = r < num_sel ? s.sel_key[r] : r < n ? s.select.cand_key[r - num_sel] : 0u;
+    const uint32_t pos = r < num_sel ? s.sel_pos[r] : r < n ? s.select.cand_pos[r - num_sel] : last_column;
+    // score order: key, then the inverted column (the lower column first); padding (key 0) last
+    item[i] = sorted ? (static_cast<uint64_t>(key) << column_bits) | (last_column - pos) : pos;
   }
-}
-
-__device__ void write_by_position(int num_sel, int num_cand, int topk, int* out, Shared& s) {
-  for (int i = threadIdx.x; i < num_sel; i += THREADS)
-    out[i + count_below(s.select.cand_pos, num_cand, s.sel_pos[i])] = s.sel_pos[i];
-  for (int i = threadIdx.x; i < num_cand; i += THREADS)
-    out[i + count_below(s.sel_pos, num_sel, s.select.cand_pos[i])] = s.select.cand_pos[i];
-  for (int r = num_sel + num_cand + threadIdx.x; r < topk; r += THREADS) out[r] = -1;
+  __syncthreads();  // the sorts' storage overlays the candidates
+  if (sorted) {
+    SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) item[i] = last_column - (item[i] & last_column);
+  } else {
+    uint32_t column[SORT_ITEMS];
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) column[i] = static_cast<uint32_t>(item[i]);
+    SortByColumn(s.by_column).Sort(column, 0, column_bits);  // padding (every bit set) last
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) item[i] = column[i];
+  }
+#pragma unroll
+  for (int i = 0; i < SORT_ITEMS; ++i) {
+    const int r = SORT_ITEMS * threadIdx.x + i;
+    if (r < topk) out[r] = r < n ? static_cast<int>(item[i]) : -1;
+  }
 }
 
 __global__ void __launch_bounds__(THREADS, 2)
@@ -349,15 +416,15 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
     left -= s.above;
     count = s.level_count;
   }
-  const bool exact = level + 1 == LEVELS;
   int num_sel, num_cand;
-  collect_row(row_ptr, lo, hi, width, shift_of(level), prefix, exact, left, num_sel, num_cand, s);
-  if (!exact) num_cand = refine_candidates(num_cand, level + 1, prefix, left, s);
-  if (sorted) {
-    write_sorted(num_sel, num_cand, topk, out, s);
-  } else {
-    write_by_position(num_sel, num_cand, topk, out, s);
+  if (count <= CAND_CAP) {
+    gather_row(row_ptr, lo, hi, width, shift_of(level), prefix, s);
+    num_sel = s.num_sel;
+    num_cand = keep_candidates(s.num_cand, level + 1, prefix, left, s);
+  } else {  // more than CAND_CAP scores equal to the threshold: the first `left` of them by column
+    collect_row_in_order(row_ptr, lo, hi, width, prefix, left, num_sel, num_cand, s);
   }
+  write_selection(num_sel, num_cand, topk, width, sorted, out, s);
 }
 
 }  // namespace
