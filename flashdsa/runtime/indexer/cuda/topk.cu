@@ -317,6 +317,7 @@ __device__ uint32_t exact_threshold(const uint32_t* keys, int n, int level, uint
 // Keeps, of the candidates (level with `prefix` above digit `level`), the `need` largest, ties to
 // the lower column, compacted to the front of the candidate list in any order. Returns `need`.
 __device__ int keep_candidates(int num_cand, int level, uint32_t prefix, int need, Shared& s) {
+  const int kept_total = need;
   const uint32_t threshold = exact_threshold(s.select.cand_key, num_cand, level, prefix, need, s);
   if (threadIdx.x == 0) s.num_ties = s.num_cand = 0;
   __syncthreads();
@@ -352,7 +353,7 @@ __device__ int keep_candidates(int num_cand, int level, uint32_t prefix, int nee
       s.select.cand_pos[at++] = pos[i];
     }
   __syncthreads();
-  return need;
+  return kept_total;
 }
 
 // Sorts the selected list and the kept candidates together into out[0, topk), -1 padded.
