@@ -52,8 +52,9 @@ def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, length, topk", [
     (8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (3, 1, 1), (6, 4099, 2048), (2, 70001, 2048),
-    (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1)])
+    (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1), (300, 2500, 256), (1000, 9000, 2048)])
 def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, topk):
+    """Rows fewer than twice the SMs run 1024-thread CTAs, more rows 512-thread ones."""
     g = generator(rows, length, topk)
     logits = tricky_logits(rows, length, cuda, g)
     check(logits, topk)
@@ -164,6 +165,7 @@ def run_memcheck_case() -> None:
     logits = tricky_logits(8, 1501, cuda, g)
     check(logits, 2048, *random_ranges(8, 1501, g))
     check(logits.view(-1)[1:1 + 8 * 1500].view(8, 1500), 64)
+    check(tricky_logits(300, 700, cuda, g), 300)  # 512-thread CTAs
     check(torch.full((3, 900), float("nan"), device=cuda), 16)
     check((1.0 + torch.randint(0, 9, (2, 9000), generator=g).float() * 2**-20).to(cuda), 2048)
     torch.cuda.synchronize()
