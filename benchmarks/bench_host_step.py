@@ -1,8 +1,8 @@
 """Host work of an engine decode step outside the model's forward, DeepSeek-V4 against DeepSeek-V3.2.
 
 Tiny production-mode checkpoints (``deepseek_v4_tiny``: FP8 linears, FP4 experts; ``tiny``: FP8)
-run through ``LLMEngine`` with async scheduling on whatever device is present (CPU here: the
-forward then runs the reference backends). For batch 1 and 32 (prompts of 100 tokens, greedy) it
+run through ``LLMEngine`` with async scheduling on the CPU (the forward runs the reference backends;
+on a GPU the decode forward would be a graph replay, which neither times nor counts it). For batch 1 and 32 (prompts of 100 tokens, greedy) it
 reports, per decode step:
 
 - host ms outside the forward: the step's wall time minus the time inside ``model.forward``,
@@ -123,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cpu"
     found = {}
     for arch in ("V4", "V3.2"):
         with tempfile.TemporaryDirectory() as tmp:
