@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES
@@ -70,14 +71,35 @@ def entries_per_block(ratio: int) -> int:
     return max(1, BLOCK_SIZE // ratio)
 
 
+def entry_slot_table(block_tables: torch.Tensor, ratio: int, count: int | None = None) -> torch.Tensor:
+    """Pool slot of compressed entries ``0 .. count - 1`` of the sequences whose blocks are the rows of
+    ``block_tables: [B, max_blocks]`` -> ``[B, count + 1]`` int64, -1 where a block is missing and in
+    the last column (what :func:`lookup_entries` reads for no entry). ``count`` defaults to every entry
+    the tables' blocks can hold. A handful of device ops, no host sync: made once per step and ratio,
+    it turns every later slot lookup of the step into one gather."""
+    per_block, tables = entries_per_block(ratio), block_tables.long()
+    if ratio < BLOCK_SIZE:  # entry j: block j // per_block, row j % per_block; a missing block (-1) gives -1
+        rows = torch.arange(per_block, device=tables.device)
+        slots = (tables[:, :, None] * per_block + rows).flatten(1).clamp_min(-1)
+    else:  # entry j ends in block (j + 1) * step - 1, its only entry
+        step = ratio // BLOCK_SIZE
+        slots = tables[:, step - 1 :: step]
+    count = slots.shape[1] if count is None else count
+    return F.pad(slots[:, :count], (0, count + 1 - min(count, slots.shape[1])), value=-1)
+
+
+def lookup_entries(table: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """Pool slots ``[R, n]`` int64 of entry ids ``entries: [R, n]`` (-1 or past the table: none -> -1)
+    of the sequences ``rows: [R]`` of an :func:`entry_slot_table` ``[B, count + 1]``. No host sync."""
+    count = table.shape[1] - 1
+    return table[rows[:, None], entries.clamp(-1, count) % (count + 1)]
+
+
 def entry_slots(entries: torch.Tensor, block_tables: torch.Tensor, ratio: int) -> torch.Tensor:
     """Pool slots of compressed entry ids ``entries: [B, n]`` (-1: none) of the sequences whose blocks
     are the rows of ``block_tables: [B, max_blocks]`` -> ``[B, n]`` int64, -1 kept. No host sync."""
-    per_block = entries_per_block(ratio)
-    page = ((entries.clamp_min(0) + 1) * ratio - 1) // BLOCK_SIZE
-    block = block_tables.long().gather(1, page.clamp_max(block_tables.shape[1] - 1))
-    valid = (entries >= 0) & (page < block_tables.shape[1]) & (block >= 0)
-    return torch.where(valid, block * per_block + entries % per_block, -1)
+    rows = torch.arange(entries.shape[0], device=entries.device)
+    return lookup_entries(entry_slot_table(block_tables, ratio), rows, entries)
 
 
 def _pool(production: bool, blocks: int, rows: int, width: int, token_bytes: int, device) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from flashdsa.models.caches import gather_rows, store_index_key, store_rows
 from flashdsa.models.deepseek_v4_attention import DeepseekV4Attention, RopeTable, sparse_sink_attention
-from flashdsa.models.deepseek_v4_caches import V4LayerCache, entry_slots
+from flashdsa.models.deepseek_v4_caches import V4LayerCache, entry_slot_table, lookup_entries
 from flashdsa.models.deepseek_v4_compressor import Compressor, Indexer, select_topk, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA
 from flashdsa.models.indexer import KeyRanges, TopK, fp8_select
@@ -46,17 +46,15 @@ from flashdsa.runtime.metadata import BatchMetadata
 class StepPlan:
     """What every layer of one engine step needs besides its input (built once per forward).
 
-    starts: [B] first position each sequence runs; slots: [B] their state slots; tables: [T, max_blocks]
-    each token's block table; ring_old: [B * (W - 1)] ring rows (``slot * W + position % W``) of the
-    window rows before each sequence's step, -1 before position 0 (None in a decode step); window: [T, W] each token's
-    window rows in the step's pool (decode: the ring; else the W - 1 gathered rows per sequence,
+    starts: [B] first position each sequence runs; slots: [B] their state slots; ring_old: [B * (W - 1)]
+    ring rows (``slot * W + position % W``) of the window rows before each sequence's step, -1 before
+    position 0 (None in a decode step); window: [T, W] each token's window rows in the step's pool (decode: the ring; else the W - 1 gathered rows per sequence,
     then the step's tokens), -1 before position 0; ring_new: [T] the ring row each token's row goes
     to, -1 for rows out of the window by the step's end."""
 
     meta: BatchMetadata
     starts: torch.Tensor
     slots: torch.Tensor
-    tables: torch.Tensor
     ring_old: torch.Tensor | None
     window: torch.Tensor
     ring_new: torch.Tensor
@@ -66,27 +64,30 @@ class StepPlan:
 
     @classmethod
     def build(cls, meta: BatchMetadata, window: int, production: bool) -> "StepPlan":
-        positions, seq_ids, qsl = meta.positions, meta.seq_ids, meta.query_start_loc.long()
-        ends = meta.context_lens.long()
-        starts = ends - (qsl[1:] - qsl[:-1])
+        """The plan of ``meta``'s step (device ops only). A decode step (one token per sequence, so
+        token b is sequence b's, at its last position) takes about half the ops of the general case:
+        in a CUDA graph each op is a node the host launches and the GPU steps through."""
+        positions, seq_ids = meta.positions, meta.seq_ids
         slots = torch.arange(len(meta.query_lens), device=positions.device) if meta.state_slots is None \
             else meta.state_slots
         before = window - 1
-        wanted = positions[:, None] - before + torch.arange(window, device=positions.device)  # [T, W] positions
-        decode = max(meta.query_lens) == 1
-        if decode:  # the ring itself is the pool
-            ring_old, rows = None, slots[seq_ids, None] * window + wanted % window
-        else:  # W - 1 gathered ring rows per sequence, then the step's rows
-            old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
-            ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
-            start = starts[seq_ids, None]
-            from_ring = seq_ids[:, None] * before + wanted - (start - before)
-            from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
-            rows = torch.where(wanted < start, from_ring, from_step)
+        wanted = positions[:, None] + torch.arange(-before, 1, device=positions.device)  # [T, W] positions
+        if max(meta.query_lens) == 1:  # the ring itself is the pool; every row stays in the window
+            rows = slots[:, None] * window + wanted % window
+            return cls(meta, positions, slots, None, torch.where(wanted >= 0, rows, -1),
+                       slots * window + positions % window, True, production)
+        qsl, ends = meta.query_start_loc.long(), meta.context_lens.long()
+        starts = ends - (qsl[1:] - qsl[:-1])
+        # W - 1 gathered ring rows per sequence, then the step's rows
+        old = starts[:, None] - before + torch.arange(before, device=positions.device)  # [B, W - 1] positions
+        ring_old = torch.where(old >= 0, slots[:, None] * window + old % window, -1).flatten()
+        start = starts[seq_ids, None]
+        from_ring = seq_ids[:, None] * before + wanted - (start - before)
+        from_step = before * len(meta.query_lens) + qsl[seq_ids, None] + wanted - start
+        rows = torch.where(wanted < start, from_ring, from_step)
         keep = positions >= ends[seq_ids] - window
         ring_new = torch.where(keep, slots[seq_ids] * window + positions % window, -1)
-        return cls(meta, starts, slots, meta.block_tables.long()[seq_ids], ring_old,
-                   torch.where(wanted >= 0, rows, -1), ring_new, decode, production)
+        return cls(meta, starts, slots, ring_old, torch.where(wanted >= 0, rows, -1), ring_new, False, production)
 
     def entries(self, ratio: int) -> "EntryPlan":
         """The step's compressed-entry bookkeeping at ``ratio``: the same for every compressor and
@@ -95,6 +96,11 @@ class StepPlan:
         if ratio not in self._entries:
             self._entries[ratio] = EntryPlan(self, ratio)
         return self._entries[ratio]
+
+    @cached_property
+    def fresh(self) -> torch.Tensor:
+        """``[B]`` bool: the sequences that start at position 0 (their compressor states reset)."""
+        return self.starts == 0
 
     @cached_property
     def window_rows(self) -> torch.Tensor:
@@ -128,7 +134,9 @@ class EntryPlan:
     the entry each compressed window of the step becomes (decode: one per sequence, -1 where its
     token closes no window), starts [E] their RoPE positions (each window's first), slots [E] their
     pool slots (-1: none); visible [T] the entries each query may see; every_visible_slots
-    [T, max_context_len // ratio] the pool slots of HCA's choice (every visible entry, -1 after)."""
+    [T, max_context_len // ratio] the pool slots of HCA's choice (every visible entry, -1 after);
+    :meth:`slots_of` the pool slots of chosen entries (CSA's). Slots are looked up in one
+    :func:`entry_slot_table` of the step's block tables."""
 
     def __init__(self, plan: StepPlan, ratio: int):
         self.plan, self.ratio = plan, ratio
@@ -138,14 +146,23 @@ class EntryPlan:
         meta, ratio = self.plan.meta, self.ratio
         device = meta.positions.device
         if self.plan.decode:  # a token closes its window at position % ratio == ratio - 1 (compress_decode_step's rule)
-            positions = meta.positions
-            ids = torch.where(positions % ratio == ratio - 1, (positions + 1) // ratio - 1, -1)
-            return ids, torch.arange(len(meta.query_lens), device=device)
+            visible = self.visible
+            return torch.where(visible * ratio > meta.positions, visible - 1, -1), meta.seq_ids
         spans = [(length - (end - first), length) for first, end, length in meta.sequence_ranges()]
         ids = torch.cat([torch.arange(start // ratio, length // ratio, device=device) for start, length in spans])
         owners = torch.cat([torch.full((length // ratio - start // ratio,), b, device=device)
                             for b, (start, length) in enumerate(spans)])
         return ids, owners
+
+    @cached_property
+    def table(self) -> torch.Tensor:
+        """``[B, max_context_len // ratio + 1]`` each sequence's entry slots (:func:`entry_slot_table`)."""
+        meta = self.plan.meta
+        return entry_slot_table(meta.block_tables, self.ratio, meta.max_context_len // self.ratio)
+
+    def slots_of(self, entries: torch.Tensor) -> torch.Tensor:
+        """Pool slots ``[T, k]`` of entry ids ``entries: [T, k]`` (-1: none -> -1) of each token's sequence."""
+        return lookup_entries(self.table, self.plan.meta.seq_ids, entries)
 
     @cached_property
     def starts(self) -> torch.Tensor:
@@ -154,7 +171,7 @@ class EntryPlan:
     @cached_property
     def slots(self) -> torch.Tensor:
         ids, owners = self._ids_and_owners
-        return entry_slots(ids[:, None], self.plan.meta.block_tables.long()[owners], self.ratio)[:, 0]
+        return lookup_entries(self.table, owners, ids[:, None])[:, 0]
 
     @cached_property
     def visible(self) -> torch.Tensor:
@@ -175,8 +192,9 @@ class EntryPlan:
 
     @cached_property
     def every_visible_slots(self) -> torch.Tensor:
-        entry = torch.arange(self.plan.meta.max_context_len // self.ratio, device=self.visible.device)
-        return entry_slots(torch.where(entry < self.visible[:, None], entry, -1), self.plan.tables, self.ratio)
+        count = self.plan.meta.max_context_len // self.ratio
+        entry = torch.arange(count, device=self.visible.device)
+        return torch.where(entry < self.visible[:, None], self.table[self.plan.meta.seq_ids, :count], -1)
 
 
 def store_v4_rows(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -204,7 +222,7 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
             picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
     main = None
     if picked is not None:  # CSA: the indexer's choice
-        main = (cache.entries, entry_slots(picked, plan.tables, attn.ratio))
+        main = (cache.entries, plan.entries(attn.ratio).slots_of(picked))
     elif attn.ratio and plan.meta.max_context_len >= attn.ratio:  # HCA: every visible entry, in order
         shared = plan.entries(attn.ratio)
         main = (cache.entries, shared.every_visible_slots)
@@ -240,7 +258,7 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
     windows they close into ``pool`` (module docstring)."""
     meta, shared = plan.meta, plan.entries(module.ratio)
     kv, gate = module.kv_proj(x), module.gate_proj(x)
-    fresh = plan.starts == 0
+    fresh = plan.fresh
     if plan.decode:  # in place on the state pool; which windows close is the step's (EntryPlan)
         pooled, _ = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
                                          state_slots=plan.slots, fresh=fresh)

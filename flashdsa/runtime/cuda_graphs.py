@@ -17,7 +17,8 @@ rows of a model with per-sequence state (DeepSeek-V4) use state slot ``max_batch
 runner allocates beyond the block manager's. The graph itself unpacks the buffer into the model's
 ``BatchMetadata``. The host stages a step in one of two pinned buffers, in turn: with async
 scheduling it writes step n+1's inputs while step n's copy may still be queued, and the engine has
-waited for step n-1's tokens (queued after the copy from the other buffer) by then. The paged
+waited for step n-1's tokens (queued after the copy from the other buffer) by then. A buffer's
+padding rows are rewritten only where a larger batch wrote over them since. The paged
 indexer scores ``max_model_len`` columns (fixed at
 capture); each row's top-k scans only its own context.
 """
@@ -74,6 +75,7 @@ class DecodeGraphs:
         size = self.table_offset + max_batch * self.max_blocks
         self.stagings = [torch.zeros(size, dtype=torch.int64).pin_memory() for _ in range(2)]
         self.staging = self.stagings[0]  # the buffer of the latest replay
+        self.padded_from = [max_batch, max_batch]  # per staging buffer: its rows from here on are padding
         self.inputs = torch.zeros(size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -92,7 +94,7 @@ class DecodeGraphs:
         anyway, so the loader's freed temporaries do not count against the graphs)."""
         torch.cuda.empty_cache()
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self._fill_padding(0, self.max_batch)
+        self._pad(0)
         self.inputs.copy_(self.staging)
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
@@ -138,7 +140,7 @@ class DecodeGraphs:
         table = s[self.table_offset : self.table_offset + bucket * self.max_blocks].view(bucket, self.max_blocks)
         table[:batch].fill_(-1)
         table[:batch, : meta.block_tables.shape[1]] = meta.block_tables
-        self._fill_padding(batch, bucket)
+        self._pad(batch)
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
         if outcomes is not None:
@@ -167,6 +169,15 @@ class DecodeGraphs:
         self.draft_graphs[bucket].replay()
         return self.draft_outputs[bucket][: rows.numel()]
 
+    def _pad(self, first: int) -> None:
+        """Make the current staging buffer's sequences from ``first`` on padding. A buffer's padding
+        rows keep their values until a larger batch writes over them, so a run of steps of one batch
+        size writes them once, not every step (host time on the step's critical path)."""
+        i = 0 if self.staging is self.stagings[0] else 1
+        if first < self.padded_from[i]:
+            self._fill_padding(first, self.padded_from[i])
+        self.padded_from[i] = first
+
     def _fill_padding(self, first: int, last: int) -> None:
         """Sequences [first, last): token 0 at positions 0.. of a q-token context in block 0,
         writing nothing; their draft row is their first token."""
@@ -193,10 +204,11 @@ class DecodeGraphs:
         tensors), each sequence's variant picked (speculative)."""
         q, n = self.q, batch * self.q
         table = self.inputs[self.table_offset : self.table_offset + batch * self.max_blocks].view(batch, self.max_blocks)
+        seq_ids = torch.arange(batch, device=self.device)  # each op here is a node of every replay
         meta = BatchMetadata(
             positions=self._field("positions", n),
-            seq_ids=torch.arange(batch, device=self.device).repeat_interleave(q),
-            query_start_loc=torch.arange(batch + 1, device=self.device, dtype=torch.int32) * q,
+            seq_ids=seq_ids if q == 1 else seq_ids.repeat_interleave(q),
+            query_start_loc=torch.arange(0, n + 1, q, device=self.device, dtype=torch.int32),
             context_lens=self._field("context_lens", batch).to(torch.int32), slot_mapping=self._field("slots", n),
             block_tables=table.to(torch.int32), logits_indices=torch.arange(n, device=self.device),
             query_lens=(q,) * batch, context_lens_host=(self.max_model_len,) * batch,

@@ -9,7 +9,9 @@ from flashdsa.models.deepseek_v4_caches import (
     bytes_per_block,
     bytes_per_slot,
     entries_per_block,
+    entry_slot_table,
     entry_slots,
+    lookup_entries,
 )
 from flashdsa.models.deepseek_v4_attention import DeepseekV4Attention
 from flashdsa.models.deepseek_v4_loader import load_v4_model
@@ -144,6 +146,34 @@ def test_entry_slots_follow_the_block_of_each_window_end():
     assert entries_per_block(4) == 16 and entries_per_block(128) == 1
     with pytest.raises(ValueError, match="ratio 48"):
         entries_per_block(48)
+
+
+@pytest.mark.parametrize("ratio", [4, 16, 64, 128, 256])
+def test_entry_slot_table_lookups_follow_the_per_entry_rule(ratio):
+    """Random block tables (-1 padded, a block missing inside one) and entry ids (-1, in range, past
+    every table): each lookup is the slot the per-entry rule gives, -1 where it names no block; the
+    table is as wide as asked, -1 past what the blocks hold."""
+    gen = torch.Generator().manual_seed(ratio)
+    tables = torch.randint(0, 50, (3, 6), generator=gen)
+    tables[1, 4:], tables[2, 2] = -1, -1
+    per_block, count = entries_per_block(ratio), 6 * 64 // ratio
+    entries = torch.randint(-1, count + 5, (3, 40), generator=gen)
+
+    def rule(row, e):
+        page = ((e + 1) * ratio - 1) // 64
+        if e < 0 or page >= tables.shape[1] or tables[row, page] < 0:
+            return -1
+        return int(tables[row, page]) * per_block + e % per_block
+
+    want = [[rule(row, int(e)) for e in entries[row]] for row in range(3)]
+    poisoned = torch.full((3, 40), 12345)
+    poisoned.copy_(entry_slots(entries, tables.int(), ratio))
+    assert poisoned.tolist() == want
+    table = entry_slot_table(tables, ratio, count + 3)  # wider than the blocks hold
+    assert table.shape == (3, count + 4) and (table[:, count:] == -1).all()
+    rows = torch.tensor([2, 0, 2, 1])
+    picked = entries[rows]
+    assert lookup_entries(table, rows, picked).tolist() == [want[r] for r in rows.tolist()]
 
 
 @pytest.mark.parametrize("production", [False, True])
