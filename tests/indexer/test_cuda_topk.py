@@ -125,6 +125,20 @@ def test_topk_replays_in_a_cuda_graph():
     assert torch.equal(out, indexer_topk(logits, 2048, starts, ends, backend="reference"))
 
 
+@pytest.mark.gpu
+def test_rows_without_ranges_make_no_host_sync():
+    """Without starts/ends nothing needs checking on the device, so eager calls queue back to back
+    (given ranges are checked, which reads them back)."""
+    logits = torch.randn(4, 5000, device=cuda)
+    indexer_topk(logits, 64, backend="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        indexer_topk(logits, 64, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 RAW_OP_CASES = """
 logits = torch.randn(4, 300, device=cuda)
 ends = torch.full((4,), 300, dtype=torch.int32, device=cuda)
