@@ -96,22 +96,6 @@ def test_crowded_threshold_bins_resolve_every_digit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [4, 300])
-def test_rows_whose_first_tile_misleads_the_sampled_floor_match(rows):
-    """A long row's first tile sets a floor for the first digit's histogram. Rows whose first
-    columns hold a few hundred outliers (fewer than topk at or above the floor: the histogram is
-    made again in full), whose largest scores all lie past the first tile, or whose first tile has
-    nothing finite must still match; 4 rows run 1024-thread CTAs, 300 rows 512-thread ones."""
-    g = generator(13, rows)
-    logits = torch.randn(rows, 70000, generator=g)
-    logits[0::3, :600] += 1000.0
-    logits[1::3, 60000:] += 5.0
-    logits[2::3, :9000] = float("-inf")
-    check(logits.to(cuda), 2048)
-    check(logits.to(cuda), 100, *random_ranges(rows, 70000, g))
-
-
-@pytest.mark.gpu
 def test_rows_with_nothing_finite_or_nothing_in_range_are_all_minus_one():
     logits = torch.full((4, 700), float("-inf"), device=cuda)
     logits[1] = float("nan")
