@@ -23,13 +23,7 @@ from torch import nn
 from flashdsa.models.caches import gather_fp8_keys, gather_rows, store_index_key
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.models.rope import RopeAt
-from flashdsa.runtime.indexer import (
-    hadamard_transform,
-    indexer_fused_topk,
-    indexer_logits_paged,
-    indexer_topk,
-    quantize_indexer,
-)
+from flashdsa.runtime.indexer import indexer_fused_topk, indexer_logits_paged, indexer_topk, rotate_quantize_indexer
 from flashdsa.runtime.metadata import BatchMetadata
 
 PAGED_MAX_QUERIES = 4  # queries per sequence up to which the paged (decode) scoring runs
@@ -139,7 +133,7 @@ def fp8_select(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, keys: KeyRa
     otherwise each sequence's keys are gathered and scored and selected chunk by chunk, so no
     whole ``[T, context]`` logits row is ever materialised (a 128K prefill would need 64 GB)."""
     heads, dim = q.shape[1:]
-    q_fp8, q_scale = quantize_indexer(hadamard_transform(q))  # [T, H, D] e4m3, [T, H]
+    q_fp8, q_scale = rotate_quantize_indexer(q)  # [T, H, D] e4m3, [T, H]
     w = w * q_scale
     counts = set(keys.query_lens)
     if len(counts) == 1 and max(counts) <= keys.paged_queries:

@@ -81,3 +81,15 @@ def test_every_indexer_op_has_reference_and_triton_backends_registered():
 def test_triton_support_check_names_what_it_cannot_serve(facts, reason):
     assert reason in indexer._triton_supports(**facts)
     assert indexer._triton_supports(head_dim=128, dtype=torch.bfloat16, topk=2048, block_size=64) is None
+
+
+def test_rotate_quantize_is_the_rotation_then_the_quantization():
+    """The queries' fused op is quantize_indexer(hadamard_transform(x)) by definition; bad x names x."""
+    x = torch.randn(2, 3, 128).bfloat16()
+    codes, scale = indexer.rotate_quantize_indexer(x)
+    want_codes, want_scale = indexer.quantize_indexer(hadamard_transform(x))
+    assert codes.shape == (2, 3, 128) and scale.shape == (2, 3)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scale, want_scale)
+    for bad in (torch.randn(3, 64), torch.randn(3, 128, dtype=torch.float64), torch.zeros(128, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="^x must be"):
+            indexer.rotate_quantize_indexer(bad)

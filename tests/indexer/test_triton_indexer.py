@@ -26,8 +26,9 @@ from flashdsa.runtime.indexer import (
     indexer_logits_paged,
     indexer_topk,
     reference,
+    rotate_quantize_indexer,
 )
-from flashdsa.testing import kernel_test_main, random_block_table, run_under_interpreter, tricky_logits
+from flashdsa.testing import kernel_test_main, poisoned_empty, random_block_table, run_under_interpreter, tricky_logits
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 LOGITS_RTOL = 5e-4
@@ -141,6 +142,32 @@ def test_hadamard_is_bit_exact(dtype):
     assert torch.equal(hadamard_transform(x, backend="triton"), hadamard_transform(x, backend="reference"))
 
 
+def check_rotate_quantize(x: torch.Tensor) -> None:
+    """The fused rotation + quantization equals the reference's two steps, byte for byte."""
+    with poisoned_empty():
+        codes, scale = rotate_quantize_indexer(x, backend="triton")
+    want_codes, want_scale = rotate_quantize_indexer(x, backend="reference")
+    assert codes.dtype == want_codes.dtype and codes.shape == want_codes.shape and scale.shape == want_scale.shape
+    differ = int((codes.view(torch.uint8) != want_codes.view(torch.uint8)).sum())
+    assert differ == 0, f"seed {SEED}: {differ} e4m3 codes differ"
+    assert torch.equal(scale, want_scale), f"seed {SEED}: scales differ"
+
+
+def quantize_inputs(shape, dtype, device, g) -> torch.Tensor:
+    """Normal rows, rows scaled far apart (tiny to large scales), an all-zero row and one spike."""
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-30, 30, (*shape[:-1], 1), generator=g).float())
+    x.view(-1, shape[-1])[0] = 0.0
+    x.view(-1, shape[-1])[-1, 5] = 3e4
+    return x.to(device, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 128), (17, 128), (3, 257, 128), (128, 64, 128)])
+def test_rotate_quantize_is_bit_exact(dtype, shape):
+    check_rotate_quantize(quantize_inputs(shape, dtype, cuda, generator(len(shape), shape[0])))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_q, num_heads, num_keys", [(1, 64, 100), (37, 64, 5000), (300, 32, 2049), (5, 3, 700)])
 def test_ragged_logits_match_reference(num_q, num_heads, num_keys):
@@ -215,6 +242,8 @@ def run_interpreter_cases() -> None:
     assert torch.equal(hadamard_transform(x, backend="triton"), hadamard_transform(x, backend="reference"))
     xb = x.bfloat16()
     assert torch.equal(hadamard_transform(xb, backend="triton"), hadamard_transform(xb, backend="reference"))
+    for dtype in (torch.float32, torch.bfloat16):
+        check_rotate_quantize(quantize_inputs((3, 5, 128), dtype, cpu, generator(9)))
     for num_q, num_heads, num_keys in INTERPRETER_RAGGED:
         inputs = ragged_inputs(num_q, num_heads, num_keys, cpu, generator(num_q))
         check_ragged(*inputs)
@@ -241,6 +270,7 @@ def run_memcheck_case() -> None:
     check_paged(*paged_inputs(3, 2, 64, [2, 65, 300], cuda, generator(6)))
     check_topk(tricky_logits(4, 900, cuda, generator(7)), 1024)
     hadamard_transform(torch.randn(7, 128, device=cuda), backend="triton")
+    check_rotate_quantize(quantize_inputs((19, 128), torch.bfloat16, cuda, generator(8)))
     torch.cuda.synchronize()
 
 

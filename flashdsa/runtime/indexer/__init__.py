@@ -7,6 +7,8 @@ Registered backends (lazy "module:function" targets; backend functions take the 
 function's arguments positionally, already validated, with ``starts``/``ends`` always tensors):
   hadamard_transform     reference  flashdsa.runtime.indexer.reference:hadamard_transform
                          triton     flashdsa.runtime.indexer.triton.hadamard:hadamard_transform
+  rotate_quantize_indexer reference flashdsa.runtime.indexer.reference:rotate_quantize_indexer
+                         triton     flashdsa.runtime.indexer.triton.quantize:rotate_quantize_indexer
   indexer_logits         reference  flashdsa.runtime.indexer.reference:indexer_logits
                          triton     flashdsa.runtime.indexer.triton.logits:indexer_logits
   indexer_logits_paged   reference  flashdsa.runtime.indexer.reference:indexer_logits_paged
@@ -34,6 +36,7 @@ from flashdsa.runtime.fp8 import E4M3
 
 _TRITON_MODULE = {
     "hadamard_transform": "hadamard",
+    "rotate_quantize_indexer": "quantize",
     "indexer_logits": "logits",
     "indexer_logits_paged": "logits",
     "indexer_topk": "topk",
@@ -114,6 +117,17 @@ def quantize_indexer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32), "bf16/fp16/fp32 [..., 128]")
     check(x.shape[-1] == INDEX_HEAD_DIM, f"x must be [..., 128], got {list(x.shape)}")
     return quantize_indexer_key(x)
+
+
+def rotate_quantize_indexer(x: torch.Tensor, *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_indexer(hadamard_transform(x))``, the indexer queries' path: one kernel on a GPU.
+
+    x: [..., 128] bf16/fp16/fp32. Returns (e4m3 [..., 128], scale fp32 [...]), bit-identical to
+    the two calls (the rotation rounds to x's dtype before quantizing).
+    """
+    _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32), "bf16/fp16/fp32 [..., 128]")
+    check(x.shape[-1] == INDEX_HEAD_DIM, f"x must be [..., 128], got {list(x.shape)}")
+    return dispatch.select("rotate_quantize_indexer", x.device, backend, dtype=x.dtype)(x)
 
 
 def _check_ragged(q_fp8, weights, k_fp8, k_scale, starts, ends) -> None:

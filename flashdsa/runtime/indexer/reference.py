@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from flashdsa.runtime.cache.layout import indexer_block_views
+from flashdsa.runtime.cache.layout import indexer_block_views, quantize_indexer_key
 
 # Elements of the largest float64 temporary (rows x keys) a reference op materialises at once.
 CHUNK_ELEMENTS = 1 << 23
@@ -37,6 +37,12 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
         y = torch.stack((a + b, a - b), dim=-2).reshape(*lead, n)
         h *= 2
     return (y * n**-0.5).to(x.dtype)
+
+
+def rotate_quantize_indexer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [..., 128]`` Hadamard-rotated (in x's dtype), then e4m3 with one power-of-two scale per
+    row: (e4m3 [..., 128], scale fp32 [...])."""
+    return quantize_indexer_key(hadamard_transform(x))
 
 
 def _row_chunk(num_keys: int) -> int:

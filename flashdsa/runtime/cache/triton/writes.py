@@ -78,6 +78,18 @@ def _pow2_ceil(x):
 
 
 @triton.jit
+def rotate_quantize_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr, rotate_scale, amax_floor,
+                         e4m3_max):
+    """Rows of ``x: [ROWS, D]`` Hadamard-rotated and rounded to x's dtype (as the reference
+    rotates), then e4m3 with one power-of-two scale per row: (uint8 codes [ROWS, D], scales [ROWS])."""
+    y = rotate_rows(x.to(tl.float32), ROWS, D, LOG_D) * rotate_scale
+    y = y.to(x.dtype).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(y), 1), amax_floor)
+    scale = _pow2_ceil(tl.math.div_rn(amax, e4m3_max))
+    return _to_e4m3_bytes(y, scale[:, None]), scale
+
+
+@triton.jit
 def _write_indexer_kernel(k_ptr, slot_ptr, u8_ptr, f32_ptr, num_slots, block_size, stride_k,
                           rotate_scale, amax_floor, e4m3_max,
                           D: tl.constexpr, LOG_D: tl.constexpr):
@@ -86,14 +98,11 @@ def _write_indexer_kernel(k_ptr, slot_ptr, u8_ptr, f32_ptr, num_slots, block_siz
     if (slot >= 0) & (slot < num_slots):
         d = tl.arange(0, D)
         k = tl.load(k_ptr + t * stride_k + d[None, :])  # [1, D]
-        y = rotate_rows(k.to(tl.float32), 1, D, LOG_D) * rotate_scale
-        y = y.to(k.dtype).to(tl.float32)  # the reference rotates to k's dtype, then quantizes
-        amax = tl.maximum(tl.max(tl.abs(y), 1), amax_floor)
-        scale = _pow2_ceil(tl.math.div_rn(amax, e4m3_max))  # [1]
+        codes, scale = rotate_quantize_rows(k, 1, D, LOG_D, rotate_scale, amax_floor, e4m3_max)
         block = slot // block_size
         offset = slot % block_size
         block_bytes = block_size * (D + 4)
-        tl.store(u8_ptr + block * block_bytes + offset * D + d[None, :], _to_e4m3_bytes(y, scale[:, None]))
+        tl.store(u8_ptr + block * block_bytes + offset * D + d[None, :], codes)
         tl.store(f32_ptr + (block * block_bytes + block_size * D) // 4 + offset + tl.arange(0, 1), scale)
 
 
