@@ -134,9 +134,9 @@ def launch_sampling(chunks: list[ScheduledChunk], step_logits: "StepLogits") -> 
 def launch_verification(chunks: list[ScheduledChunk], step_logits: "StepLogits", runner: "ModelRunner") -> InFlightStep:
     """Verify a speculative decode step (``verifiable_on_device``) and draft the next one on the
     device, and queue the copy of the outcome to the host; nothing waits for the GPU."""
-    verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks])
-    return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)},
-                        torch.cat([verdict.last_tokens(), verdict.drafts]), [], [], verdict.copy, verdict)
+    verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks], with_tokens=True)
+    return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)}, verdict.tokens, [], [],
+                        verdict.copy, verdict)
 
 
 def token_fill(chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[TokenFill]:

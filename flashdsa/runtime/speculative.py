@@ -159,33 +159,35 @@ class DeviceVerdict:
 
     picks: [2N] int64, each chunk's t_n, then the t_{n+1} it keeps should its draft hold (argmaxes
     for greedy requests, draws for sampled ones); accepted: [N] bool, whose draft held; drafts:
-    [N] int64, the MTP layer's next draft of each."""
+    [N] int64, the MTP layer's next draft of each; tokens: [2N] int64 (asked for by an overlapped
+    step, else None), each chunk's last new token (t_{n+1} where its draft held, else t_n), then
+    its next draft: the next step's input ids, on the device."""
 
     picks: torch.Tensor
     accepted: torch.Tensor
     drafts: torch.Tensor
     copy: HostCopy
-
-    def last_tokens(self) -> torch.Tensor:
-        """Each chunk's last new token ``[N]`` (t_{n+1} where its draft held, else t_n), on the device."""
-        return self.picks.view(-1, 2).gather(1, self.accepted.long()[:, None])[:, 0]
+    tokens: Optional[torch.Tensor] = None
 
     @cached_property
     def outcome(self) -> tuple[list[list[int]], list[int]]:
         """Each chunk's new tokens (1, or 2 where its draft held) and its next draft; waits for the copy."""
         values = self.copy.wait()[0].tolist()
-        n = len(values) // 4
-        return [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)], values[3 * n :]
+        n = self.accepted.numel()
+        return [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)], values[len(values) - n :]
 
 
-def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Sequence]) -> DeviceVerdict:
+def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Sequence],
+                     with_tokens: bool = False) -> DeviceVerdict:
     """Queue the verification of a ``verifiable_on_device`` step of ``seqs``, flat tokens [t_0, d_0,
     t_1, d_1, ...] and logits rows in the same order. Greedy: t_n = argmax of a chunk's first row,
     t_{n+1} = argmax of its second. Sampled: t_n by rejection sampling of the draft (module
     docstring), t_{n+1} drawn from the second row whatever the outcome (kept only if the draft
     holds: the draw does not bias which). A draft holds when d = t_n. The MTP layer's next draft is
     drafted from the same device tensors (its inputs never visit the host), so the step reads the
-    device once instead of four times. Nothing here waits for the GPU."""
+    device once instead of four times. ``with_tokens`` (async scheduling) also keeps the next step's
+    input ids (``DeviceVerdict.tokens``): one gather, packed into the copy's buffer, instead of the
+    three kernels of gathering them apart. Nothing here waits for the GPU."""
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -201,7 +203,10 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     # each sequence drafts from its last committed token.
     rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
     next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([torch.cat([picks, accepted.long(), next_drafts])]))
+    last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is chunk i's last new one
+    packed = torch.cat([picks, accepted.long(), *last, next_drafts])  # the copy's buffer
+    tokens = packed[3 * accepted.numel() :] if with_tokens else None
+    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([packed]), tokens)
 
 
 class Speculation:

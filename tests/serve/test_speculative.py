@@ -235,3 +235,23 @@ def test_server_streams_the_same_greedy_text_with_speculation_and_counts_drafts(
             assert (metric(server, "spec_decode_num_draft_tokens_total") > 0) == bool(spec)
             assert server.engine.block_manager.num_used_blocks == 0
     assert texts[1] == texts[0]
+
+
+def test_device_verdict_packs_the_next_steps_input_ids():
+    """``with_tokens`` (async scheduling): each chunk's last new token (t_{n+1} where its draft
+    held, else t_n), then its next draft, as the host reads them back; the copy's layout unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(10):
+        n, vocab = int(torch.randint(1, 9, (1,), generator=gen)), 6
+        drafts = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        logits = torch.randn(2 * n, vocab, generator=gen)
+        logits[0::2][torch.rand(n, generator=gen) < 0.5] = 0.0  # ties: t_n = 0, so a draft of 0 holds
+        runner = _Runner(drafts)
+        runner.draft = lambda picks, rows: torch.nn.functional.one_hot((picks[rows] * 5 + 1) % vocab, vocab).float()
+        plain = verify_on_device(runner, logits, _seqs(n, 0, temperature=0.0))
+        verdict = verify_on_device(runner, logits, _seqs(n, 0, temperature=0.0), with_tokens=True)
+        assert plain.tokens is None and plain.outcome == verdict.outcome
+        new, next_drafts = verdict.outcome
+        assert sum(len(t) == 2 for t in new) == int(verdict.accepted.sum()), trial
+        assert verdict.tokens.tolist() == [t[-1] for t in new] + next_drafts, trial
+        assert next_drafts == [(t[-1] * 5 + 1) % vocab for t in new], trial
