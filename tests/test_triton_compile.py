@@ -146,7 +146,7 @@ def test_v4_attention_and_cache_kernels_compile_for_hopper_and_blackwell(launche
 
 def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     from flashdsa.runtime.cache.triton import writes
-    from flashdsa.runtime.indexer.triton import hadamard, logits, topk
+    from flashdsa.runtime.indexer.triton import hadamard, logits, quantize, topk
 
     num_q, num_keys, heads = 3, 500, 64
     q = torch.randn(num_q, heads, 128).to(torch.float8_e4m3fn)
@@ -155,6 +155,7 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     starts = torch.zeros(num_q, dtype=torch.int32)
     ends = torch.full((num_q,), num_keys, dtype=torch.int32)
     hadamard.hadamard_transform(torch.randn(5, 128).bfloat16())
+    quantize.rotate_quantize_indexer(torch.randn(5, 64, 128).bfloat16())
     scores = logits.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
     topk.indexer_topk(scores, 2048, starts, ends)
     topk.indexer_fused_topk(q, weights, k_fp8, k_scale, starts, ends, 2048, 4096)
@@ -167,7 +168,8 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
                            torch.zeros(4, 64, 1, 656, dtype=torch.uint8), slots)
     writes.write_indexer_cache(torch.randn(16, 128).bfloat16(), pool, slots)
     assert compile_all(launches) == ["_collect_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
-                                     "_paged_kernel", "_ragged_kernel", "_write_indexer_kernel", "_write_mla_kernel"]
+                                     "_paged_kernel", "_ragged_kernel", "_rotate_quantize_kernel",
+                                     "_write_indexer_kernel", "_write_mla_kernel"]
 
 
 def _moe_experts(experts: int, hidden: int, inter: int) -> dict:
