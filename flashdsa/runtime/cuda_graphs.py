@@ -6,13 +6,18 @@ it: one host-to-device copy of the step's inputs and one graph launch instead of
 kernel launches. A step of B sequences replays the smallest bucket >= B; the rows past B are
 padding that writes no cache slot (slot -1) and reads block 0 (their outputs are dropped).
 
-Inputs live in one static int64 buffer, ``[ids | positions | slots | next_ids | context_lens |
-rows | state_slots | block table]``, the per-token fields ``max_batch * q`` long (q tokens per
-sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`` and the table
-``max_batch x max_blocks``, so the copy of a step is one prefix of it. Speculative graphs also
-hold a second variant of the positions, slots and context lengths and each sequence's row in the
-previous step's accepted-draft flags (``metadata.Outcomes``: with async scheduling the host does
-not know yet where a sequence stands); the graph picks each sequence's variant itself. Padding
+Inputs live in one static int64 buffer, ``[ids | positions | slots | fill | next_ids | rows |
+context_lens | state_slots | moves | block table]``, the per-token fields ``max_batch * q`` long (q
+tokens per sequence: 1, or 2 with speculative decoding), the per-sequence ones ``max_batch`` and
+the table ``max_batch x max_blocks``, so the copy of a step is one prefix of it. With async
+scheduling a step's inputs are partly on the device only: ``fill`` says which input ids the graph
+takes from ``source``, a static device buffer holding what the step in flight left there (a
+speculative step's verdict is written into it, ``ModelRunner.verdict_buffer``; a plain step's
+sampled tokens are copied in), and ``moves`` (speculative graphs) where it reads whether a
+sequence's draft held: the host builds the step as if every draft were rejected and the graph moves
+each accepted sequence one position on (``metadata.advance``: positions, slots from the block
+table, context lengths). The graph writes those into the static inputs in place, so the MTP
+layer's graph and the caller see the step as it ran; nothing of it runs outside the graph. Padding
 rows of a model with per-sequence state (DeepSeek-V4) use state slot ``max_batch``, the one the
 runner allocates beyond the block manager's. The graph itself unpacks the buffer into the model's
 ``BatchMetadata``. The host stages a step in one of two pinned buffers, in turn: with async
@@ -32,8 +37,8 @@ from typing import Optional
 import torch
 
 from flashdsa.runtime.checks import trusted_values
-from flashdsa.runtime.metadata import BatchMetadata, Outcomes, choose
-from flashdsa.runtime.transfer import TokenFill
+from flashdsa.runtime.metadata import BatchMetadata, advance
+from flashdsa.runtime.transfer import TokenFill, flags_at, gather_or_keep
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +64,14 @@ class DecodeGraphs:
         self.block_size = caches.block_size
         self.max_blocks = -(-max_model_len // self.block_size)
         mq = max_batch * self.q
-        # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table
-        sizes = {"ids": mq, "positions": mq, "slots": mq, "next_ids": mq, "context_lens": max_batch,
-                 "rows": max_batch, "state_slots": max_batch}
-        self.accepted: Optional[torch.Tensor] = None
-        if speculative:  # the accepted-draft variant of a step launched behind a speculative one
-            sizes.update(alt_positions=mq, alt_slots=mq, alt_context_lens=max_batch, accept_rows=max_batch)
-            # the previous step's accepted-draft flags, and one False past them (accept_rows -1)
-            self.accepted = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)
+        # per-token fields (mq long), then per-sequence fields (max_batch long), then the block table;
+        # the MTP layer's own inputs (next_ids, rows) side by side, so its host path uploads them alone
+        sizes = {"ids": mq, "positions": mq, "slots": mq, "fill": mq, "next_ids": mq, "rows": max_batch,
+                 "context_lens": max_batch, "state_slots": max_batch}
+        if speculative:
+            sizes["moves"] = max_batch
+        # what the step in flight left on the device: its sampled tokens [R], or its verdict [5R]
+        self.source = torch.zeros(max_batch * (5 if speculative else 1), dtype=torch.int64, device=device)
         self.offsets, offset = {}, 0
         for name, size in sizes.items():
             self.offsets[name] = offset
@@ -117,55 +122,64 @@ class DecodeGraphs:
                     len(self.graphs), self.buckets, self.q, ", with the MTP layer" if self.speculative else "",
                     time.perf_counter() - start, (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
-    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None,
-               outcomes: Optional[Outcomes] = None):
+    def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None):
         """Logits ``[B * q, vocab]`` fp32 (speculative: and the hidden states ``[B * q, hidden]``) of
         a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors);
-        ``fill`` then writes the ids only the device knows, and the graph picks each sequence's
-        variant of ``outcomes`` (speculative only). Valid until the next replay."""
+        the graph takes the ids and moves of ``fill`` from the device itself. Valid until the next
+        replay."""
         batch = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= batch)
         self.staging = self.stagings[1] if self.staging is self.stagings[0] else self.stagings[0]
-        s, n = self.staging, batch * self.q
+        s = self.staging
         fields = [("ids", input_ids), ("positions", meta.positions), ("slots", meta.slot_mapping),
                   ("context_lens", meta.context_lens), ("state_slots", meta.state_slots)]
-        if outcomes is not None:
-            fields += [("alt_positions", outcomes.positions), ("alt_slots", outcomes.slot_mapping),
-                       ("alt_context_lens", outcomes.context_lens), ("accept_rows", outcomes.rows)]
-        elif self.speculative:
-            s[self.offsets["accept_rows"] : self.offsets["accept_rows"] + batch] = -1
         for name, field in fields:
             if field is not None:
                 s[self.offsets[name] : self.offsets[name] + field.numel()] = field
+        self._stage_fill(fill, batch)
         table = s[self.table_offset : self.table_offset + bucket * self.max_blocks].view(bucket, self.max_blocks)
         table[:batch].fill_(-1)
         table[:batch, : meta.block_tables.shape[1]] = meta.block_tables
         self._pad(batch)
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
-        if outcomes is not None:
-            self.accepted[: outcomes.accepted.numel()].copy_(outcomes.accepted)
-        if fill is not None:
-            fill.apply(self._field("ids", n))
         self.graphs[bucket].replay()
         self.batch = batch
-        out = self.outputs[bucket]
+        n, out = batch * self.q, self.outputs[bucket]
         return (out[0][:n], out[1][:n]) if self.speculative else out[:n]
+
+    def _stage_fill(self, fill: Optional[TokenFill], batch: int) -> None:
+        """Stage which input ids (``fill``) and accepted drafts (``moves``) the graph reads from
+        ``source`` (none without ``fill``: -1). A source other than ``self.source`` itself (a plain
+        step's sampled tokens) is copied into it on the device, stream-ordered before the graph."""
+        n = batch * self.q
+        ids = fill.ids if fill is not None else [-1] * n
+        moves = []
+        if self.speculative:
+            moves = fill.moves if fill is not None and fill.moves is not None else [-1] * batch
+        if fill is not None and fill.source.data_ptr() != self.source.data_ptr():
+            self.source[: fill.source.numel()].copy_(fill.source)
+        index = torch.tensor(ids + moves, dtype=torch.int64)
+        s = self.staging
+        s[self.offsets["fill"] : self.offsets["fill"] + n] = index[:n]
+        if moves:
+            s[self.offsets["moves"] : self.offsets["moves"] + batch] = index[n:]
 
     def replay_draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[len(rows), vocab]`` of the MTP layer after the last :meth:`replay`:
         ``next_ids: [B * q]`` the token after each of its tokens, ``rows: [B]`` one flat token per
-        sequence. On the host they travel in one copy; on the device they are copied in place
+        sequence. On the host they travel in one copy (of their two fields alone: the step's other
+        inputs stay as its graph left them); on the device they are copied in place
         (stream-ordered after the step, no host round trip)."""
         bucket = next(b for b in self.buckets if b >= self.batch)
         if next_ids.is_cuda:
             self._field("next_ids", next_ids.numel()).copy_(next_ids)
             self._field("rows", rows.numel()).copy_(rows)
         else:
-            s = self.staging
-            s[self.offsets["next_ids"] : self.offsets["next_ids"] + next_ids.numel()] = next_ids
+            s, first, end = self.staging, self.offsets["next_ids"], self.offsets["rows"] + self.max_batch
+            s[first : first + next_ids.numel()] = next_ids
             s[self.offsets["rows"] : self.offsets["rows"] + rows.numel()] = rows
-            self.inputs[: self.table_offset].copy_(s[: self.table_offset], non_blocking=True)
+            self.inputs[first:end].copy_(s[first:end], non_blocking=True)
         self.draft_graphs[bucket].replay()
         return self.draft_outputs[bucket][: rows.numel()]
 
@@ -180,16 +194,16 @@ class DecodeGraphs:
 
     def _fill_padding(self, first: int, last: int) -> None:
         """Sequences [first, last): token 0 at positions 0.. of a q-token context in block 0,
-        writing nothing; their draft row is their first token."""
+        writing nothing, taking nothing from ``source``; their draft row is their first token."""
         s, q = self.staging, self.q
-        for name, value in (("ids", 0), ("positions", None), ("slots", -1), ("next_ids", 0)):
+        for name, value in (("ids", 0), ("positions", None), ("slots", -1), ("fill", -1), ("next_ids", 0)):
             field = s[self.offsets[name] + first * q : self.offsets[name] + last * q]
             field.copy_(torch.arange(q).repeat(last - first) if value is None else torch.full_like(field, value))
         s[self.offsets["context_lens"] + first : self.offsets["context_lens"] + last] = q
         s[self.offsets["rows"] + first : self.offsets["rows"] + last] = torch.arange(first, last) * q
         s[self.offsets["state_slots"] + first : self.offsets["state_slots"] + last] = self.max_batch
         if self.speculative:
-            s[self.offsets["accept_rows"] + first : self.offsets["accept_rows"] + last] = -1
+            s[self.offsets["moves"] + first : self.offsets["moves"] + last] = -1
         s[self.table_offset + first * self.max_blocks : self.table_offset + last * self.max_blocks] = 0
 
     def input_ids(self, length: int) -> torch.Tensor:
@@ -200,12 +214,11 @@ class DecodeGraphs:
         return self.inputs[self.offsets[name] : self.offsets[name] + length]
 
     def _meta(self, batch: int) -> BatchMetadata:
-        """The static inputs' first ``batch`` sequences as the model's BatchMetadata (device
-        tensors), each sequence's variant picked (speculative)."""
+        """The static inputs' first ``batch`` sequences as the model's BatchMetadata (device tensors)."""
         q, n = self.q, batch * self.q
         table = self.inputs[self.table_offset : self.table_offset + batch * self.max_blocks].view(batch, self.max_blocks)
         seq_ids = torch.arange(batch, device=self.device)  # each op here is a node of every replay
-        meta = BatchMetadata(
+        return BatchMetadata(
             positions=self._field("positions", n),
             seq_ids=seq_ids if q == 1 else seq_ids.repeat_interleave(q),
             query_start_loc=torch.arange(0, n + 1, q, device=self.device, dtype=torch.int32),
@@ -214,14 +227,24 @@ class DecodeGraphs:
             query_lens=(q,) * batch, context_lens_host=(self.max_model_len,) * batch,
             max_context_len=self.max_model_len, state_slots=self._field("state_slots", batch),
         )
-        if not self.speculative:
-            return meta
-        accepted = self.accepted[self._field("accept_rows", batch)]  # row -1: the False past the flags
-        return choose(meta, accepted, self._field("alt_positions", n), self._field("alt_slots", n),
-                      self._field("alt_context_lens", batch).to(torch.int32))
+
+    def _take_from_source(self, batch: int) -> None:
+        """Write what the first ``batch`` sequences take from ``source`` into the static inputs, in
+        place: their device-only input ids and, speculative, the positions, slots and context
+        lengths of those whose draft the step before accepted (``metadata.advance``). Part of the
+        forward's graph, so the MTP layer's graph and :meth:`input_ids` see the step as it ran."""
+        n = batch * self.q
+        ids = self._field("ids", n)
+        ids.copy_(gather_or_keep(self.source, self._field("fill", n), ids))
+        if self.speculative:
+            moved = advance(self._meta(batch), flags_at(self.source, self._field("moves", batch)), self.block_size)
+            self._field("positions", n).copy_(moved.positions)
+            self._field("slots", n).copy_(moved.slot_mapping)
+            self._field("context_lens", batch).copy_(moved.context_lens)
 
     def _forward(self, batch: int):
         """The model's decode forward over the first ``batch`` sequences of the static inputs."""
+        self._take_from_source(batch)
         kwargs = {"return_hidden": True} if self.speculative else {}
         with trusted_values():
             return self.model(self._field("ids", batch * self.q), self._meta(batch), self.caches, **kwargs)

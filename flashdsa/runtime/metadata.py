@@ -14,7 +14,6 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from flashdsa.runtime.cache.layout import BLOCK_SIZE
-from flashdsa.runtime.transfer import to_device
 
 
 @dataclass
@@ -91,6 +90,13 @@ class BatchMetadata:
             first += n
         return out
 
+    def with_room(self, may_move: list[bool]) -> "BatchMetadata":
+        """This metadata with host bounds (``context_lens_host``, ``max_context_len``) that also
+        cover each sequence b one position on where ``may_move[b]`` (its draft in flight may hold:
+        the device then moves it, :func:`advance`)."""
+        lens = tuple(n + m for n, m in zip(self.context_lens_host, may_move))
+        return replace(self, context_lens_host=lens, max_context_len=max(lens))
+
     def to(self, device: torch.device) -> "BatchMetadata":
         """A copy on ``device``: the tensors packed into one int64 buffer and moved in one transfer."""
         tensors = self.tensors()
@@ -114,54 +120,15 @@ def slots_of(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: torch
     return block_tables[seq_ids, positions // block_size].long() * block_size + positions % block_size
 
 
-def choose(meta: BatchMetadata, accepted: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-           context_lens: torch.Tensor) -> BatchMetadata:
-    """``meta`` (device) with the positions, slot mapping (``[T]``) and context lengths (``[B]``
-    int32) of each sequence b taken from the given tensors where ``accepted: [B]`` bool is true.
-    Device ops only, no host sync: CUDA graphs capture it."""
-    per_token = accepted[meta.seq_ids]
-    return replace(meta, positions=torch.where(per_token, positions, meta.positions),
-                   slot_mapping=torch.where(per_token, slot_mapping, meta.slot_mapping),
-                   context_lens=torch.where(accepted, context_lens, meta.context_lens))
-
-
-@dataclass
-class Outcomes:
-    """The two ways a step launched behind a speculative step (async scheduling) may have to run.
-
-    The step in flight verifies drafts, so a sequence it verifies one for ends it one token longer
-    when the draft is accepted, which only the device knows yet. The host builds the next step's
-    ``BatchMetadata`` as if every such draft were rejected; sequence b, whose draft is
-    ``accepted[rows[b]]`` (``accepted: [R]`` bool on the device, the step in flight's), then runs
-    one position later: ``positions``, ``slot_mapping`` ``[T]`` int64 and ``context_lens`` ``[B]``
-    int32 (CPU) hold that variant. ``rows: [B]`` int64 is -1 for a sequence whose inputs are known
-    (its variant is the built one). The device picks each sequence's variant (:func:`choose`)
-    before the forward; its host bounds (``context_lens_host``, ``max_context_len``) cover both."""
-
-    rows: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    context_lens: torch.Tensor
-    accepted: torch.Tensor
-
-    @classmethod
-    def of(cls, meta: BatchMetadata, rows: list[int], accepted: torch.Tensor,
-           block_size: int = BLOCK_SIZE) -> tuple["Outcomes", BatchMetadata]:
-        """The outcomes of ``meta`` (CPU, built for rejected drafts) whose sequence b waits on
-        ``accepted[rows[b]]`` where ``rows[b] >= 0``, and ``meta`` with host bounds for both."""
-        shift = torch.tensor([r >= 0 for r in rows], dtype=torch.int64)
-        positions = meta.positions + shift[meta.seq_ids]
-        lens_host = tuple(n + (r >= 0) for n, r in zip(meta.context_lens_host, rows))
-        outcomes = cls(torch.tensor(rows, dtype=torch.int64), positions,
-                       slots_of(meta.block_tables, meta.seq_ids, positions, block_size),
-                       meta.context_lens + shift.int(), accepted)
-        return outcomes, replace(meta, context_lens_host=lens_host, max_context_len=max(lens_host))
-
-    def apply(self, meta: BatchMetadata) -> BatchMetadata:
-        """``meta`` (on the device) with each sequence's variant picked on the device (an eager
-        step: the variants go up in one copy)."""
-        parts = [self.rows, self.positions, self.slot_mapping, self.context_lens.long()]
-        up = to_device(torch.cat(parts), meta.positions.device)
-        rows, positions, slots, lens = up.split([p.numel() for p in parts])
-        accepted = torch.cat([self.accepted, self.accepted.new_zeros(1)])[rows]  # row -1: the False appended
-        return choose(meta, accepted, positions, slots, lens.int())
+def advance(meta: BatchMetadata, moved: torch.Tensor, block_size: int = BLOCK_SIZE) -> BatchMetadata:
+    """``meta`` (device) with each sequence b where ``moved: [B]`` bool is true one position on:
+    its positions and context length + 1, its tokens' slots read from its block table (the slot of
+    position p is ``block_tables[b, p // block_size] * block_size + p % block_size``, so a token at
+    a block's end moves to the next block's first slot). Async scheduling behind a speculative step
+    builds the step as if every draft in flight were rejected; ``moved`` says whose was accepted
+    (``transfer.TokenFill``). The other sequences' slots stay (a CUDA graph's padding rows write
+    nothing). Device ops only, no host sync: CUDA graphs capture it."""
+    per_token = moved[meta.seq_ids]
+    positions = meta.positions + per_token
+    slots = torch.where(per_token, slots_of(meta.block_tables, meta.seq_ids, positions, block_size), meta.slot_mapping)
+    return replace(meta, positions=positions, slot_mapping=slots, context_lens=meta.context_lens + moved.int())

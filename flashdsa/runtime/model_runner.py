@@ -16,7 +16,7 @@ import torch
 
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.cuda_graphs import DecodeGraphs
-from flashdsa.runtime.metadata import BatchMetadata, Outcomes
+from flashdsa.runtime.metadata import BatchMetadata, advance
 from flashdsa.runtime.parallel import steps
 from flashdsa.runtime.scheduler import DEVICE_TOKEN, ScheduledChunk
 from flashdsa.runtime.transfer import TokenFill, to_device
@@ -105,12 +105,11 @@ class ModelRunner:
         """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank
         only) and, behind a speculative step, says which sequences the device moves one position on."""
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
-        outcomes = None
-        if fill is not None and fill.accepted is not None:
-            outcomes, meta = Outcomes.of(meta, fill.rows, fill.accepted)
+        if fill is not None and fill.moves is not None:
+            meta = meta.with_room([m >= 0 for m in fill.moves])
         decode = _is_decode(chunks, self.speculative)
         self._copy_states([(c.restore_from, c.seq.state_slot) for c in chunks if c.restore_from >= 0])
-        logits = self.forward(input_ids, meta, decode, fill, outcomes)
+        logits = self.forward(input_ids, meta, decode, fill)
         self._copy_states([(c.seq.state_slot, c.snapshot_to) for c in chunks if c.snapshot_to >= 0])
         return StepLogits(logits, row_start, num_rows)
 
@@ -120,29 +119,30 @@ class ModelRunner:
             self.caches.copy_slots(*(torch.tensor(side, device=self.device) for side in zip(*pairs)))
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False,
-                fill: Optional[TokenFill] = None, outcomes: Optional[Outcomes] = None) -> torch.Tensor:
+                fill: Optional[TokenFill] = None) -> torch.Tensor:
         """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
         if self.leader is not None:
             assert fill is None, "tensor-parallel ranks take every input id from the host"
             steps.send(self.leader, (input_ids, meta, decode))
-        return self.execute(input_ids, meta, decode, fill, outcomes)
+        return self.execute(input_ids, meta, decode, fill)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool,
-                fill: Optional[TokenFill] = None, outcomes: Optional[Outcomes] = None) -> torch.Tensor:
-        """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits). The
-        inputs go up without a host sync, so this only queues work on CUDA."""
+                fill: Optional[TokenFill] = None) -> torch.Tensor:
+        """Logits [N, vocab] fp32 of one step (``decode``: a graph replays it when one fits); ``fill``
+        takes the ids and moves only the device knows (inside the graph when one runs). The inputs
+        go up without a host sync, so this only queues work on CUDA."""
         self.last = None
         graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
         if graph:
-            logits = self.graphs.replay(input_ids, meta, fill, outcomes)
+            logits = self.graphs.replay(input_ids, meta, fill)
             input_ids = self.graphs.input_ids(input_ids.numel())
         else:
             meta, input_ids = meta.to(self.device), to_device(input_ids, self.device)
-            if outcomes is not None:
-                meta = outcomes.apply(meta)
             if fill is not None:
-                fill.apply(input_ids)
+                input_ids, moved = fill.apply(input_ids)
+                if moved is not None:
+                    meta = advance(meta, moved)
             kwargs = {"return_hidden": True} if self.speculative else {}
             with trusted_values():  # the block manager built the slots and tables: no device syncs to check them
                 logits = self.model(input_ids, meta, self.caches, **kwargs)
@@ -150,6 +150,14 @@ class ModelRunner:
             logits, hidden = logits
             self.last = (None if graph else meta, hidden, input_ids)
         return logits.float()
+
+    def verdict_buffer(self, numel: int) -> Optional[torch.Tensor]:
+        """Where a speculative step's packed verdict (``speculative.DeviceVerdict``, ``numel`` int64)
+        goes: the decode graphs' ``source``, which the next step's graph reads in place, or None (a
+        new tensor) without graphs."""
+        if self.graphs is None or numel > self.graphs.source.numel():
+            return None
+        return self.graphs.source[:numel]
 
     def last_input_ids(self) -> torch.Tensor:
         """The last step's input ids on the device (speculative runners keep them)."""

@@ -19,11 +19,11 @@ Speculative decode steps (MTP drafts) overlap the same way. Step n verifies each
 and the MTP layer drafts the next, on the device (``speculative.verify_on_device``); it
 yields one token or two per sequence, which the host learns only when it reads step n back. So
 step n+1 is built for both outcomes: the scheduler plans each such sequence as if its draft were
-rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft``), the runner
-adds the accepted variant of the positions, slots and context lengths (``metadata.Outcomes``, in
-the same upload as the rest on the CUDA-graph path), and the device picks each sequence's variant
-from step n's accepted flags before the forward; the last token and the draft come from step n's
-outputs (``TokenFill``). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
+rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft``), and the
+device moves each sequence whose draft step n accepted one position on before the forward
+(``metadata.advance``: positions, slots from the block table, context lengths); that flag, the
+last token and the draft come from step n's verdict on the device (``TokenFill``: inside the CUDA
+graph on the graph path, which stages only their indices). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
 the next one. A sequence whose second token in flight might reach max_tokens waits for that
 read-back instead of running past it. The blocks reserved for an accepted draft that was rejected
 stay with the sequence, which fills them next (or frees them when it finishes).
@@ -84,8 +84,9 @@ class InFlightStep:
     """A launched step whose sampled tokens are on their way to the host.
 
     chunks: the chunks that sample, R of them; rows: id(seq) -> its row; tokens: (device) int64
-    the token each row sampled ``[R]``, or for a speculative step ``[2R]`` each row's last new
-    token, then its next draft; logprob_rows / num_top: the rows that asked for logprobs and how
+    the token each row sampled ``[R]``, or a speculative step's packed verdict
+    (``DeviceVerdict.packed``, ``[5R]``: row i's last new token at 3R + i, its next draft at
+    4R + i, whether its draft held at 2R + i); logprob_rows / num_top: the rows that asked for logprobs and how
     many alternatives each; copy: tokens, then the logprob tensors, to the host; verdict: a
     speculative step's verification (its own copy)."""
 
@@ -135,27 +136,30 @@ def launch_verification(chunks: list[ScheduledChunk], step_logits: "StepLogits",
     """Verify a speculative decode step (``verifiable_on_device``) and draft the next one on the
     device, and queue the copy of the outcome to the host; nothing waits for the GPU."""
     verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks], with_tokens=True)
-    return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)}, verdict.tokens, [], [],
+    return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)}, verdict.packed, [], [],
                         verdict.copy, verdict)
 
 
 def token_fill(chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -> Optional[TokenFill]:
     """The input ids of ``chunks`` that only the device has: a chunk's last token when it is the
     one ``previous`` sampled for its sequence, and its draft when ``previous`` made it; then also
-    which sequences run one position on should ``previous`` accept their draft (None when none)."""
-    dst, src, rows, offset = [], [], [], 0
+    which sequences run one position on should ``previous`` accept their draft (None when no id
+    comes from the device)."""
+    if previous is None:
+        return None
+    n = len(previous.chunks)  # where each row's values lie in ``previous.tokens``
+    last, draft, held = (3 * n, 4 * n, 2 * n) if previous.verdict is not None else (0, 0, 0)
+    ids: list[int] = []
+    moves: list[int] = []
     for chunk in chunks:
         row = previous.rows[id(chunk.seq)] if chunk.start + chunk.num_tokens > len(chunk.seq.token_ids) else -1
+        first = len(ids)
+        ids += [-1] * chunk.num_run
         if row >= 0:
-            dst.append(offset + chunk.num_tokens - 1)
-            src.append(row)
+            ids[first + chunk.num_tokens - 1] = last + row
         if chunk.pending_draft:
-            dst.append(offset + chunk.num_tokens)
-            src.append(len(previous.chunks) + row)
-        rows.append(row if chunk.pending_draft else -1)
-        offset += chunk.num_run
-    if not dst:
+            ids[first + chunk.num_tokens] = draft + row
+        moves.append(held + row if chunk.pending_draft else -1)
+    if max(ids, default=-1) < 0:
         return None
-    if max(rows) < 0:
-        return TokenFill(dst, src, previous.tokens)
-    return TokenFill(dst, src, previous.tokens, rows, previous.verdict.accepted)
+    return TokenFill(previous.tokens, ids, moves if max(moves) >= 0 else None)

@@ -40,7 +40,7 @@ class ScheduledChunk:
 
     ``pending_draft``: the step in flight verifies a draft of seq, so the host does not know yet
     whether seq holds one token more: the chunk is planned as if that draft were rejected and
-    starts one position later if it is accepted (the device picks, ``metadata.Outcomes``); its
+    starts one position later if it is accepted (the device moves it, ``metadata.advance``); its
     token and its draft (``DEVICE_TOKEN`` here) are the ones the step in flight produces."""
 
     seq: Sequence

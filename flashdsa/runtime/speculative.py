@@ -159,15 +159,23 @@ class DeviceVerdict:
 
     picks: [2N] int64, each chunk's t_n, then the t_{n+1} it keeps should its draft hold (argmaxes
     for greedy requests, draws for sampled ones); accepted: [N] bool, whose draft held; drafts:
-    [N] int64, the MTP layer's next draft of each; tokens: [2N] int64 (asked for by an overlapped
-    step, else None), each chunk's last new token (t_{n+1} where its draft held, else t_n), then
-    its next draft: the next step's input ids, on the device."""
+    [N] int64, the MTP layer's next draft of each; packed: int64, what the copy reads:
+    ``[picks (2N) | accepted (N) | last (N) | drafts (N)]``, the ``last`` part only when asked
+    for by an overlapped step (each chunk's last new token: t_{n+1} where its draft held, else t_n);
+    so chunk i's last new token is at ``3N + i``, its next draft at ``4N + i`` and whether its
+    draft held at ``2N + i``, the next step's device inputs (``TokenFill``)."""
 
     picks: torch.Tensor
     accepted: torch.Tensor
     drafts: torch.Tensor
     copy: HostCopy
-    tokens: Optional[torch.Tensor] = None
+    packed: torch.Tensor
+
+    @property
+    def tokens(self) -> Optional[torch.Tensor]:
+        """[2N] int64 each chunk's last new token, then its next draft (None unless asked for)."""
+        n = self.accepted.numel()
+        return self.packed[3 * n :] if self.packed.numel() == 5 * n else None
 
     @cached_property
     def outcome(self) -> tuple[list[list[int]], list[int]]:
@@ -185,9 +193,10 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     docstring), t_{n+1} drawn from the second row whatever the outcome (kept only if the draft
     holds: the draw does not bias which). A draft holds when d = t_n. The MTP layer's next draft is
     drafted from the same device tensors (its inputs never visit the host), so the step reads the
-    device once instead of four times. ``with_tokens`` (async scheduling) also keeps the next step's
-    input ids (``DeviceVerdict.tokens``): one gather, packed into the copy's buffer, instead of the
-    three kernels of gathering them apart. Nothing here waits for the GPU."""
+    device once instead of four times. ``with_tokens`` (async scheduling) also packs the next
+    step's input ids (one gather into the copy's buffer). The buffer is the runner's
+    ``verdict_buffer`` where it has one (a CUDA graph of the next step reads it in place), else a
+    new tensor. Nothing here waits for the GPU."""
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -203,10 +212,9 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     # each sequence drafts from its last committed token.
     rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
     next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is chunk i's last new one
-    packed = torch.cat([picks, accepted.long(), *last, next_drafts])  # the copy's buffer
-    tokens = packed[3 * accepted.numel() :] if with_tokens else None
-    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([packed]), tokens)
+    parts = [picks, accepted.long(), *([picks.index_select(0, rows)] if with_tokens else []), next_drafts]
+    packed = torch.cat(parts, out=runner.verdict_buffer(sum(p.numel() for p in parts)))
+    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([packed]), packed)
 
 
 class Speculation:

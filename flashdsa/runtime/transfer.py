@@ -47,23 +47,38 @@ class HostCopy:
         return self.host
 
 
+def gather_or_keep(source: torch.Tensor, index: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``kept`` with element i replaced by ``source[index[i]]`` where ``index[i] >= 0`` (int64
+    indices; same shape and device). Device ops only, no host sync: CUDA graphs capture it."""
+    return torch.where(index >= 0, source[index.clamp(min=0)], kept)
+
+
+def flags_at(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Bool ``[len(index)]``: ``source[index[i]]`` is nonzero, False where ``index[i] < 0``."""
+    return gather_or_keep(source, index, torch.zeros_like(index)) != 0
+
+
 class TokenFill:
-    """Input ids that only the device knows yet: ``ids[dst[j]] = tokens[src[j]]`` for host index
-    lists ``dst`` and ``src`` and device ``tokens`` int64 (what the previous step sampled: its
-    tokens, and after a speculative step also its drafts). The indices go up in one non-blocking
-    copy; the gather and scatter run on the device, so step n+1's input never waits for step n's
-    tokens to reach the host.
+    """What a step launched behind another (async scheduling) takes from the device, as host
+    indices into ``source`` (device int64, what the step in flight left there: the tokens it
+    sampled, or a speculative step's packed verdict, ``speculative.DeviceVerdict``), so step n+1's
+    inputs never wait for step n's tokens to reach the host.
 
-    After a speculative step, ``accepted: [R]`` bool (device) says whose draft it accepted and
-    ``rows[b]`` is sequence b's row in it (-1: the step did not verify one for it): those
-    sequences run one position later when accepted (``metadata.Outcomes``)."""
+    ids: [T] host ints, flat token j's input id is ``source[ids[j]]`` where ``ids[j] >= 0`` (-1:
+    the host's id stands). moves: [B] host ints, or None: sequence b runs one position on
+    (``metadata.advance``) where ``moves[b] >= 0`` and ``source[moves[b]]`` is nonzero (the step in
+    flight accepted its draft). A CUDA-graph step stages both in its input buffer and the graph
+    reads ``source`` itself (``cuda_graphs.DecodeGraphs``); an eager step uses :meth:`apply`."""
 
-    def __init__(self, dst: list[int], src: list[int], tokens: torch.Tensor, rows: Optional[list[int]] = None,
-                 accepted: Optional[torch.Tensor] = None) -> None:
-        self.dst, self.src, self.tokens = dst, src, tokens
-        self.rows, self.accepted = rows, accepted
+    def __init__(self, source: torch.Tensor, ids: list[int], moves: Optional[list[int]] = None) -> None:
+        self.source, self.ids, self.moves = source, ids, moves
 
-    def apply(self, ids: torch.Tensor) -> None:
-        """Write the tokens into ``ids: [T]`` int64 (on the tokens' device), in place."""
-        index = to_device(torch.tensor([self.dst, self.src], dtype=torch.int64), ids.device)
-        ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))
+    def apply(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``input_ids: [T]`` int64 (on the source's device) with the device's ids filled in, and
+        which sequences move ``[B]`` bool (None without ``moves``); the indices go up in one
+        non-blocking copy."""
+        moves = self.moves or []
+        index = to_device(torch.tensor(self.ids + moves, dtype=torch.int64), input_ids.device)
+        ids, moves_index = index.split([len(self.ids), len(moves)])
+        filled = gather_or_keep(self.source, ids, input_ids)
+        return filled, None if self.moves is None else flags_at(self.source, moves_index)

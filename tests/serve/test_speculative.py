@@ -146,6 +146,9 @@ class _Runner:
     def draft(self, picks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return torch.zeros(rows.numel(), 4)
 
+    def verdict_buffer(self, numel: int) -> None:
+        return None  # no decode graphs: a new tensor
+
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
 def test_device_verification_of_sampled_requests_reproduces_the_target_distribution(params):

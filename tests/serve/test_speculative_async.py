@@ -1,6 +1,6 @@
-"""Async scheduling of speculative decode steps (runtime/overlap.py, metadata.Outcomes) on the CPU:
-the engine launches step n+1 behind a step that verifies drafts, with its inputs built for both
-outcomes and picked on the device. Greedy tokens must be those of plain decoding and of
+"""Async scheduling of speculative decode steps (runtime/overlap.py, metadata.advance) on the CPU:
+the engine launches step n+1 behind a step that verifies drafts, with its inputs built as if every
+draft were rejected and moved on the device where one held. Greedy tokens must be those of plain decoding and of
 synchronous speculation, token for token, with the same draft counts and no block left behind."""
 
 from types import SimpleNamespace
@@ -12,12 +12,14 @@ from test_async_scheduling import run_engine
 from flashdsa.defaults import DEFAULT_MODEL
 from flashdsa.models.loader import load_model
 from flashdsa.models.tiny import make_tiny_checkpoint
-from flashdsa.runtime import metadata as metadata_module
+from flashdsa.runtime.cache.layout import BLOCK_SIZE
+from flashdsa.runtime import model_runner as runner_module
 from flashdsa.runtime.cuda_graphs import DecodeGraphs
 from flashdsa.runtime.engine import EngineConfig, LLMEngine
-from flashdsa.runtime.metadata import BatchMetadata, Outcomes
+from flashdsa.runtime.metadata import BatchMetadata, advance
 from flashdsa.runtime.sampling_params import SamplingParams
 from flashdsa.runtime.scheduler import ScheduledChunk, Scheduler
+from flashdsa.runtime.transfer import TokenFill
 
 SETTINGS = {"plain": (0, False), "speculative": (1, False), "speculative+async": (1, True)}
 
@@ -47,7 +49,7 @@ def probes(monkeypatch):
     draft that ran synchronously after all), and the longest context any launched chunk could
     reach against its request's end (prompt + max_tokens)."""
     counts = dict(launches=0, behind=0, accepted=0, held=0, resolved=0, overrun=0)
-    launch, schedule, apply, resolve = LLMEngine._launch, Scheduler.schedule, Outcomes.apply, ScheduledChunk.resolve
+    launch, schedule, resolve = LLMEngine._launch, Scheduler.schedule, ScheduledChunk.resolve
 
     def counting_launch(self, chunks, previous):
         for c in chunks:  # the accepted variant's context: one past the planned one
@@ -64,9 +66,9 @@ def probes(monkeypatch):
         counts["held"] += sum(s.num_pending_drafts > 0 and id(s) not in scheduled for s in self.running)
         return chunks
 
-    def counting_apply(self, meta):
-        counts["accepted"] += int(torch.cat([self.accepted, self.accepted.new_zeros(1)])[self.rows].sum())
-        return apply(self, meta)
+    def counting_advance(meta, moved, *args):
+        counts["accepted"] += int(moved.sum())
+        return advance(meta, moved, *args)
 
     def counting_resolve(self):
         counts["resolved"] += self.pending_draft
@@ -75,7 +77,7 @@ def probes(monkeypatch):
     monkeypatch.setattr(LLMEngine, "_launch", counting_launch)
     monkeypatch.setattr(ScheduledChunk, "resolve", counting_resolve)
     monkeypatch.setattr(Scheduler, "schedule", counting_schedule)
-    monkeypatch.setattr(metadata_module.Outcomes, "apply", counting_apply)
+    monkeypatch.setattr(runner_module, "advance", counting_advance)
     return counts
 
 
@@ -194,26 +196,106 @@ def test_tiny_checkpoint_decodes_the_same_with_overlapped_speculation(tiny_mtp, 
     assert probes["behind"] > 10 and engines["speculative+async"].block_manager.num_used_blocks == 0
 
 
-def test_outcomes_give_each_sequence_the_metadata_of_where_it_stands():
-    """Metadata built for rejected drafts, then each sequence's variant picked by random flags,
-    equals metadata built from where each sequence really stands; rows -1 never move."""
+def _starts(batch: int, width: int, gen: torch.Generator) -> list[int]:
+    """Random start positions in ``width`` blocks, half of them at a block's last two positions (a
+    move then crosses into the next block)."""
+    starts = torch.randint(0, width * BLOCK_SIZE - 4, (batch,), generator=gen)
+    edge = (torch.randint(1, width, (batch,), generator=gen) * BLOCK_SIZE - torch.randint(1, 3, (batch,), generator=gen))
+    return torch.where(torch.rand(batch, generator=gen) < 0.5, edge, starts).tolist()
+
+
+def _fill(batch: int, counts: list[int], gen: torch.Generator, source: torch.Tensor, rows: int) -> TokenFill:
+    """A step behind a speculative one of ``rows`` rows whose verdict is ``source`` (``[5 rows]``,
+    ``DeviceVerdict.packed``): a random subset of the sequences (a random row each) takes its last
+    token (and its draft, where it runs two), and whether to move, from there."""
+    row_of = [int(r) if r < rows else -1 for r in torch.randperm(max(rows, batch) + 2, generator=gen)[:batch]]
+    ids, moves = [], []
+    for count, row in zip(counts, row_of):
+        ids += ([3 * rows + row, 4 * rows + row] if row >= 0 else [-1, -1])[2 - count :]  # last token, draft
+        moves.append(2 * rows + row if row >= 0 else -1)
+    return TokenFill(source, ids, moves)
+
+
+def _verdict(rows: int, gen: torch.Generator, out: torch.Tensor) -> torch.Tensor:
+    """A packed verdict of ``rows`` rows (random tokens, random accepted flags) written into ``out``."""
+    packed = torch.randint(10, 1000, (5 * rows,), generator=gen)
+    packed[2 * rows : 3 * rows] = (torch.rand(rows, generator=gen) < 0.5).long()
+    return out[: 5 * rows].copy_(packed)
+
+
+def _expected(fill: TokenFill, starts: list[int], counts: list[int], tables: torch.Tensor, host_ids: torch.Tensor):
+    """Input ids and metadata of the step as each sequence really stands (built on the host from
+    scratch, as ``metadata.Outcomes`` built the accepted variant before the device did)."""
+    moved = [m >= 0 and bool(fill.source[m]) for m in fill.moves]
+    ids = torch.tensor([int(fill.source[i]) if i >= 0 else int(h) for i, h in zip(fill.ids, host_ids)])
+    meta = BatchMetadata.for_step([s + m for s, m in zip(starts, moved)], counts, tables, torch.arange(sum(counts)))
+    return ids, meta
+
+
+def test_advance_gives_each_sequence_the_metadata_of_where_it_stands():
+    """Eager path: metadata built for rejected drafts, then moved on the device by the verdict's
+    flags (``TokenFill.apply``, ``metadata.advance``), equals metadata built from where each
+    sequence really stands, blocks crossed included; sequences without a row never move, and the
+    host bounds cover both outcomes."""
     gen = torch.Generator().manual_seed(0)
-    for trial in range(20):
-        batch, width = 7, 4
+    for trial in range(30):
+        batch, width, rows = int(torch.randint(1, 8, (1,), generator=gen)), 4, 5
         tables = torch.randperm(40, generator=gen)[: batch * width].view(batch, width).int()
         counts = torch.randint(1, 3, (batch,), generator=gen).tolist()
-        starts = torch.randint(0, width * 64 - 3, (batch,), generator=gen).tolist()
-        accepted = torch.rand(5, generator=gen) < 0.5
-        rows = [int(r) if r < 5 else -1 for r in torch.randint(0, 8, (batch,), generator=gen)]
-        meta = BatchMetadata.for_step(starts, counts, tables, torch.arange(sum(counts)))
-        outcomes, bounded = Outcomes.of(meta, rows, accepted)
-        got = outcomes.apply(bounded)
-        moved = [s + (r >= 0 and bool(accepted[r])) for s, r in zip(starts, rows)]
-        want = BatchMetadata.for_step(moved, counts, tables, torch.arange(sum(counts)))
+        starts = _starts(batch, width, gen)
+        fill = _fill(batch, counts, gen, _verdict(rows, gen, torch.full((5 * rows,), -9)), rows)
+        meta = BatchMetadata.for_step(starts, counts, tables, torch.arange(sum(counts))).with_room(
+            [m >= 0 for m in fill.moves])
+        host_ids = torch.randint(10, 1000, (sum(counts),), generator=gen)
+        ids, moved = fill.apply(host_ids.clone())
+        got = advance(meta, moved)
+        want_ids, want = _expected(fill, starts, counts, tables, host_ids)
+        assert torch.equal(ids, want_ids), trial
         for name in ("positions", "slot_mapping", "context_lens", "seq_ids", "block_tables"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
-        assert all(b >= w for b, w in zip(bounded.context_lens_host, want.context_lens_host))
-        assert bounded.max_context_len >= want.max_context_len
+        assert all(b >= w for b, w in zip(meta.context_lens_host, want.context_lens_host))
+        assert meta.max_context_len >= want.max_context_len
+
+
+def test_decode_graph_moves_accepted_sequences_inside_the_graph(monkeypatch):
+    """The CUDA-graph path (its static inputs and in-graph pick, replayed eagerly): the host stages
+    only the step built for rejected drafts and the fill's indices; the graph's positions, slots,
+    context lengths and input ids, written in place for the MTP layer's graph, equal those built
+    from where each sequence stands, on random batches padded to their bucket with moves across
+    block ends; padding rows write nothing. The verdict lies in the graphs' own source buffer (as
+    the runner writes it) or, half the time, elsewhere (then the graph's copy of it is used)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the CPU build cannot pin
+    width, max_batch = 4, 8
+    graphs = DecodeGraphs(None, SimpleNamespace(block_size=BLOCK_SIZE), max_batch, width * BLOCK_SIZE,
+                          torch.device("cpu"), speculative=True)
+    graphs._fill_padding(0, max_batch)
+    seen = {}
+
+    def replay(bucket):
+        graphs._take_from_source(bucket)
+        seen.update(meta=graphs._meta(bucket), ids=graphs.input_ids(2 * bucket).clone())
+
+    for b in graphs.buckets:
+        graphs.graphs[b] = SimpleNamespace(replay=lambda b=b: replay(b))
+        graphs.outputs[b] = (torch.zeros(2 * b, 1), torch.zeros(2 * b, 1))
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(30):
+        batch, rows = int(torch.randint(1, max_batch + 1, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
+        tables = torch.randperm(64, generator=gen)[: batch * width].view(batch, width).int()
+        starts, counts = _starts(batch, width, gen), [2] * batch
+        out = graphs.source if trial % 2 else torch.full((5 * max_batch,), -9)
+        fill = _fill(batch, counts, gen, _verdict(rows, gen, out), rows)
+        meta = BatchMetadata.for_step(starts, counts, tables, torch.arange(2 * batch))
+        host_ids = torch.randint(10, 1000, (2 * batch,), generator=gen)
+        graphs.inputs.fill_(-5)  # poison: the step's copy must rewrite everything the graph reads
+        graphs.replay(host_ids, meta.with_room([m >= 0 for m in fill.moves]), fill)
+        want_ids, want = _expected(fill, starts, counts, tables, host_ids)
+        got = seen["meta"]
+        assert torch.equal(seen["ids"][: 2 * batch], want_ids), trial
+        assert torch.equal(got.positions[: 2 * batch], want.positions), trial
+        assert torch.equal(got.slot_mapping[: 2 * batch], want.slot_mapping), trial
+        assert torch.equal(got.context_lens[:batch], want.context_lens), trial
+        assert (got.slot_mapping[2 * batch :] == -1).all() and (got.positions[2 * batch :] < 2).all(), trial
 
 
 def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
@@ -243,7 +325,9 @@ def test_decode_graph_inputs_pick_each_sequences_variant(default_model, monkeypa
         engine = _engine(default_model, setting)
         graphs = _with_eager_graphs(engine, monkeypatch)
         replays, replay = [], graphs.replay
-        monkeypatch.setattr(graphs, "replay", lambda *a: replays.append(len(a) > 3 and a[3] is not None) or replay(*a))
+        monkeypatch.setattr(graphs, "replay",
+                            lambda *a: replays.append(len(a) > 2 and a[2] is not None and a[2].moves is not None)
+                            or replay(*a))
         assert run_engine(engine, requests) == want, setting
         counts[setting] = (engine.num_draft_tokens, engine.num_accepted_tokens, len(replays))
         assert engine.block_manager.num_used_blocks == 0
