@@ -28,7 +28,9 @@ def tensor_on(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 class HostCopy:
     """Device tensors on their way to the host: :meth:`wait` returns them as CPU tensors once
-    the copies (queued at construction, behind the work that produces the tensors) are done."""
+    the copies (queued at construction, behind the work that produces the tensors) are done. The
+    copies hold the values of that moment, also on the CPU (a tensor may be a static buffer that a
+    later step rewrites: ``ModelRunner.verdict_buffer``)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.event: Optional[torch.cuda.Event] = None
@@ -38,7 +40,7 @@ class HostCopy:
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = list(tensors)
+            self.host = [t.clone() for t in tensors]
 
     def wait(self) -> list[torch.Tensor]:
         """The tensors on the host; blocks until their copies finished (the only host sync)."""

@@ -304,7 +304,7 @@ def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the CPU build cannot pin
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.caches, engine.config.max_num_seqs, engine.max_model_len,
-                          runner.device, speculative=True)
+                          runner.device, speculative=runner.speculative)
     graphs._fill_padding(0, graphs.max_batch)
     graphs.inputs.copy_(graphs.staging)
     for b in graphs.buckets:
@@ -333,3 +333,17 @@ def test_decode_graph_inputs_pick_each_sequences_variant(default_model, monkeypa
         assert engine.block_manager.num_used_blocks == 0
     assert counts["speculative+async"] == counts["speculative"] and counts["speculative"][2] > 10
     assert sum(replays) > 10  # overlapped replays with both variants
+
+
+def test_decode_graph_takes_a_plain_steps_sampled_tokens_from_its_source(default_model, monkeypatch):
+    """Async plain decoding through the decode graphs (replayed eagerly): each overlapped step's
+    sampled tokens are copied into the graphs' source and the graph fills its input ids from
+    there; the tokens are those of synchronous plain decoding."""
+    requests = _requests(default_model[1])
+    want = run_engine(_engine(default_model, "plain"), requests)
+    engine = _engine(default_model, "plain", async_scheduling=True)
+    graphs = _with_eager_graphs(engine, monkeypatch)
+    filled, replay = [], graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda *a: filled.append(len(a) > 2 and a[2] is not None) or replay(*a))
+    assert run_engine(engine, requests) == want
+    assert sum(filled) > 10 and engine.block_manager.num_used_blocks == 0
