@@ -212,8 +212,9 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     # each sequence drafts from its last committed token.
     rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
     next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    parts = [picks, accepted.long(), *([picks.index_select(0, rows)] if with_tokens else []), next_drafts]
-    packed = torch.cat(parts, out=runner.verdict_buffer(sum(p.numel() for p in parts)))
+    last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is chunk i's last new one
+    size = (5 if with_tokens else 4) * accepted.numel()
+    packed = torch.cat([picks, accepted.long(), *last, next_drafts], out=runner.verdict_buffer(size))
     return DeviceVerdict(picks, accepted, next_drafts, HostCopy([packed]), packed)
 
 
