@@ -150,17 +150,20 @@ class DecodeGraphs:
 
     def _stage_fill(self, fill: Optional[TokenFill], batch: int) -> None:
         """Stage which input ids (``fill``) and accepted drafts (``moves``) the graph reads from
-        ``source`` (none without ``fill``: -1), written as host lists through a numpy view of the
-        staging buffer (a torch tensor of them and two copies cost ~20x more host time). A source
-        other than ``self.source`` itself (a plain step's sampled tokens) is copied into it on the
-        device, stream-ordered before the graph."""
-        n, host = batch * self.q, self.staging.numpy()
-        host[self.offsets["fill"] : self.offsets["fill"] + n] = fill.ids if fill is not None else -1
+        ``source`` (none without ``fill``: -1). A source other than ``self.source`` itself (a plain
+        step's sampled tokens) is copied into it on the device, stream-ordered before the graph."""
+        n = batch * self.q
+        ids = fill.ids if fill is not None else [-1] * n
+        moves = []
         if self.speculative:
-            moves = fill.moves if fill is not None and fill.moves is not None else -1
-            host[self.offsets["moves"] : self.offsets["moves"] + batch] = moves
+            moves = fill.moves if fill is not None and fill.moves is not None else [-1] * batch
         if fill is not None and fill.source.data_ptr() != self.source.data_ptr():
             self.source[: fill.source.numel()].copy_(fill.source)
+        index = torch.tensor(ids + moves, dtype=torch.int64)  # one tensor of both lists, two staging writes
+        s = self.staging
+        s[self.offsets["fill"] : self.offsets["fill"] + n] = index[:n]
+        if moves:
+            s[self.offsets["moves"] : self.offsets["moves"] + batch] = index[n:]
 
     def replay_draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[len(rows), vocab]`` of the MTP layer after the last :meth:`replay`:
