@@ -152,18 +152,20 @@ class DecodeGraphs:
         """Stage which input ids (``fill``) and accepted drafts (``moves``) the graph reads from
         ``source`` (none without ``fill``: -1). A source other than ``self.source`` itself (a plain
         step's sampled tokens) is copied into it on the device, stream-ordered before the graph."""
-        n = batch * self.q
-        ids = fill.ids if fill is not None else [-1] * n
-        moves = []
-        if self.speculative:
-            moves = fill.moves if fill is not None and fill.moves is not None else [-1] * batch
-        if fill is not None and fill.source.data_ptr() != self.source.data_ptr():
+        s, n = self.staging, batch * self.q
+        fill_at, moves_at = self.offsets["fill"], self.offsets.get("moves", 0)
+        if fill is None:
+            s[fill_at : fill_at + n] = -1
+            if self.speculative:
+                s[moves_at : moves_at + batch] = -1
+            return
+        if fill.source.data_ptr() != self.source.data_ptr():
             self.source[: fill.source.numel()].copy_(fill.source)
-        index = torch.tensor(ids + moves, dtype=torch.int64)  # one tensor of both lists, two staging writes
-        s = self.staging
-        s[self.offsets["fill"] : self.offsets["fill"] + n] = index[:n]
+        moves = (fill.moves or [-1] * batch) if self.speculative else []
+        index = torch.tensor(fill.ids + moves, dtype=torch.int64)  # one tensor of both lists, two staging writes
+        s[fill_at : fill_at + n] = index[:n]
         if moves:
-            s[self.offsets["moves"] : self.offsets["moves"] + batch] = index[n:]
+            s[moves_at : moves_at + batch] = index[n:]
 
     def replay_draft(self, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[len(rows), vocab]`` of the MTP layer after the last :meth:`replay`:
@@ -228,26 +230,30 @@ class DecodeGraphs:
             max_context_len=self.max_model_len, state_slots=self._field("state_slots", batch),
         )
 
-    def _take_from_source(self, batch: int) -> None:
-        """Write what the first ``batch`` sequences take from ``source`` into the static inputs, in
-        place: their device-only input ids and, speculative, the positions, slots and context
-        lengths of those whose draft the step before accepted (``metadata.advance``). Part of the
-        forward's graph, so the MTP layer's graph and :meth:`input_ids` see the step as it ran."""
+    def _take_from_source(self, batch: int) -> BatchMetadata:
+        """The metadata of the first ``batch`` sequences as the step runs, after writing what they
+        take from ``source`` into the static inputs, in place: their device-only input ids and,
+        speculative, the positions, slots and context lengths of those whose draft the step before
+        accepted (``metadata.advance``). Part of the forward's graph, so the MTP layer's graph and
+        :meth:`input_ids` see the step as it ran."""
         n = batch * self.q
         ids = self._field("ids", n)
         ids.copy_(gather_or_keep(self.source, self._field("fill", n), ids))
-        if self.speculative:
-            moved = advance(self._meta(batch), flags_at(self.source, self._field("moves", batch)), self.block_size)
-            self._field("positions", n).copy_(moved.positions)
-            self._field("slots", n).copy_(moved.slot_mapping)
-            self._field("context_lens", batch).copy_(moved.context_lens)
+        meta = self._meta(batch)
+        if not self.speculative:
+            return meta
+        meta = advance(meta, flags_at(self.source, self._field("moves", batch)), self.block_size)
+        for name, value in (("positions", meta.positions), ("slots", meta.slot_mapping),
+                            ("context_lens", meta.context_lens)):
+            self._field(name, value.numel()).copy_(value)
+        return meta
 
     def _forward(self, batch: int):
         """The model's decode forward over the first ``batch`` sequences of the static inputs."""
-        self._take_from_source(batch)
+        meta = self._take_from_source(batch)
         kwargs = {"return_hidden": True} if self.speculative else {}
         with trusted_values():
-            return self.model(self._field("ids", batch * self.q), self._meta(batch), self.caches, **kwargs)
+            return self.model(self._field("ids", batch * self.q), meta, self.caches, **kwargs)
 
     def _draft_forward(self, batch: int) -> torch.Tensor:
         """The MTP layer over the same tokens, from the captured forward's hidden states."""

@@ -271,9 +271,9 @@ def test_decode_graph_moves_accepted_sequences_inside_the_graph(monkeypatch):
     graphs._fill_padding(0, max_batch)
     seen = {}
 
-    def replay(bucket):
-        graphs._take_from_source(bucket)
-        seen.update(meta=graphs._meta(bucket), ids=graphs.input_ids(2 * bucket).clone())
+    def replay(bucket):  # what the forward's graph gives the model, and leaves for the MTP layer's
+        seen.update(meta=graphs._take_from_source(bucket), ids=graphs.input_ids(2 * bucket).clone(),
+                    left=graphs._meta(bucket))
 
     for b in graphs.buckets:
         graphs.graphs[b] = SimpleNamespace(replay=lambda b=b: replay(b))
@@ -290,12 +290,12 @@ def test_decode_graph_moves_accepted_sequences_inside_the_graph(monkeypatch):
         graphs.inputs.fill_(-5)  # poison: the step's copy must rewrite everything the graph reads
         graphs.replay(host_ids, meta.with_room([m >= 0 for m in fill.moves]), fill)
         want_ids, want = _expected(fill, starts, counts, tables, host_ids)
-        got = seen["meta"]
         assert torch.equal(seen["ids"][: 2 * batch], want_ids), trial
-        assert torch.equal(got.positions[: 2 * batch], want.positions), trial
-        assert torch.equal(got.slot_mapping[: 2 * batch], want.slot_mapping), trial
-        assert torch.equal(got.context_lens[:batch], want.context_lens), trial
-        assert (got.slot_mapping[2 * batch :] == -1).all() and (got.positions[2 * batch :] < 2).all(), trial
+        for got in (seen["meta"], seen["left"]):
+            assert torch.equal(got.positions[: 2 * batch], want.positions), trial
+            assert torch.equal(got.slot_mapping[: 2 * batch], want.slot_mapping), trial
+            assert torch.equal(got.context_lens[:batch], want.context_lens), trial
+            assert (got.slot_mapping[2 * batch :] == -1).all() and (got.positions[2 * batch :] < 2).all(), trial
 
 
 def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
