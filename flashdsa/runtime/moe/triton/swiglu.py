@@ -33,7 +33,7 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, n, limit, CLIP
     up = tl.load(up_ptr + t * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     if CLIP:
-        bound = limit.to(dtype).to(tl.float32)
+        bound = tl.full([BLOCK], limit, tl.float32).to(dtype).to(tl.float32)  # as torch casts its scalar
         gate = tl.minimum(gate, bound, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(tl.maximum(up, -bound, propagate_nan=tl.PropagateNan.ALL), bound,
                         propagate_nan=tl.PropagateNan.ALL)
