@@ -10,7 +10,7 @@ import torch
 from flashdsa.runtime.moe import hash_experts
 from flashdsa.runtime.moe.reference import routing_scores
 from flashdsa.testing import flood_cuda_allocator_with_nan, kernel_test_main, poisoned_empty, run_under_interpreter
-from moe_cases import SEED, generator
+from moe_cases import SEED, assert_sync_free_and_replayable, generator
 
 V4_FLASH = dict(experts=256, top_k=6, vocab=129280)  # DeepSeek-V4-Flash's router and vocabulary
 
@@ -178,19 +178,8 @@ def test_triton_hash_routing_equals_reference_on_gpu(tokens):
         assert torch.equal(got_ids, want_ids), f"seed {SEED}"
         torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0, msg=f"seed {SEED}")
     check_hash_routing(logits, table, token_ids)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        hash_experts(logits, table, token_ids, 1.5)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = hash_experts(logits, table, token_ids, 1.5)
-    token_ids.copy_(torch.randint(0, V4_FLASH["vocab"], (tokens,), generator=g))
-    graph.replay()
-    eager = hash_experts(logits, table, token_ids, 1.5)
-    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1]), f"seed {SEED}"
+    assert_sync_free_and_replayable(lambda: hash_experts(logits, table, token_ids, 1.5), lambda: token_ids.copy_(
+        torch.randint(0, V4_FLASH["vocab"], (tokens,), generator=g)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 
 from flashdsa.runtime.moe import swiglu
 from flashdsa.testing import flood_cuda_allocator_with_nan, kernel_test_main, poisoned_empty, run_under_interpreter
-from moe_cases import SEED, generator
+from moe_cases import SEED, assert_sync_free_and_replayable, generator
 
 V4_FLASH_INTER, V4_FLASH_LIMIT = 2048, 10.0  # DeepSeek-V4-Flash's shared expert width and swiglu_limit
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -145,18 +145,8 @@ def test_triton_swiglu_equals_torch_bit_for_bit_on_gpu(tokens):
         differ = int((got != want).sum())
         assert differ == 0, f"seed {SEED}: {differ} of {got.numel()} differ from torch ({dtype}, limit {limit})"
         check_swiglu(gate, up, limit)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        swiglu(gate, up, V4_FLASH_LIMIT)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = swiglu(gate, up, V4_FLASH_LIMIT)
-    gate.copy_(torch.randn(gate.shape, generator=g).cuda())
-    graph.replay()
-    assert torch.equal(captured, swiglu(gate, up, V4_FLASH_LIMIT)), f"seed {SEED}"
+    assert_sync_free_and_replayable(lambda: (swiglu(gate, up, V4_FLASH_LIMIT),),
+                                    lambda: gate.copy_(torch.randn(gate.shape, generator=g)))
 
 
 if __name__ == "__main__":
