@@ -20,7 +20,8 @@ with 128x128 block scales, or FP4 e2m1 weights packed two a byte with a power-of
 inputs, DeepSeek-V4's release format; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64;
 swiglu: one elementwise kernel). Registered targets: ``{align_tokens, fused_moe, select_experts,
 hash_experts, swiglu}`` -> ``flashdsa.runtime.moe.reference:<op>`` and
-``flashdsa.runtime.moe.triton.{align,fused_moe,routing,routing,swiglu}:<op>``.
+``flashdsa.runtime.moe.triton.<module>:<op>`` (modules ``align``, ``fused_moe``, ``routing`` for both
+routings, ``swiglu``).
 """
 
 from __future__ import annotations
