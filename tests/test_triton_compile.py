@@ -281,14 +281,30 @@ def test_rope_kernel_compiles_for_hopper_and_blackwell(launches):
 
 def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
     """V3.2's routing (256 experts, 8 groups keep 4, top-8), ungrouped routing, and V4's (top-6 of
-    sqrt(softplus) scores)."""
+    sqrt(softplus) scores), V4's hash routing (its vocabulary's table, int64 or int32)."""
     from flashdsa.runtime.moe.triton import routing
 
     logits, bias = torch.randn(3, 256), torch.randn(256)
     routing.select_experts(logits, bias, 8, 8, 4, True, 2.5)
     routing.select_experts(logits, bias, 6, 1, 1, False, 1.0)
     routing.select_experts(logits, bias, 6, 1, 1, True, 1.5, "sqrtsoftplus")
-    assert compile_all(launches, specialize=True) == ["_route_kernel"]
+    table = torch.zeros(129280, 6, dtype=torch.int64)
+    for ids in (torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        routing.hash_experts(logits, table, ids, 1.5, "sqrtsoftplus")
+    routing.hash_experts(logits, table.int(), torch.zeros(3, dtype=torch.int64), 1.5, "sigmoid")
+    assert compile_all(launches, specialize=True) == ["_hash_route_kernel", "_route_kernel"]
+
+
+def test_swiglu_kernel_compiles_for_hopper_and_blackwell(launches):
+    """DeepSeek-V4-Flash's shared expert (the halves of a fused [T, 4096] gate|up, clipped at 10),
+    plain SwiGLU, fp16 and fp32."""
+    from flashdsa.runtime.moe.triton import swiglu
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        fused = torch.zeros(3, 4096, dtype=dtype)
+        for limit in (10.0, None):
+            swiglu.swiglu(fused[:, :2048], fused[:, 2048:], limit)
+    assert compile_all(launches, specialize=True) == ["_swiglu_kernel"]
 
 
 def test_slots_kernel_compiles_for_hopper_and_blackwell(launches):

@@ -24,11 +24,12 @@ from flashdsa.models.linear import SCALE_SUFFIX
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
-from flashdsa.runtime.moe import fused_moe, select_experts
+from flashdsa.runtime.moe import fused_moe, hash_experts, select_experts, swiglu
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    """``silu(min(gate, L)) * clamp(up, -L, L)``: one kernel on a GPU without autograd (torch's ops under it)."""
+    return swiglu(gate, up, limit, backend="reference" if torch.is_grad_enabled() else None)
 
 
 class SharedExpert(nn.Module):
@@ -59,19 +60,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight.to(x.dtype)).float()
-        if not self.hashed and not torch.is_grad_enabled():  # one kernel on a GPU (~10 torch kernels else)
-            return select_experts(logits, self.e_score_correction_bias, self.top_k, 1, 1, True, self.scale,
-                                  scoring=self.scoring)
-        if self.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-        else:
-            scores = torch.sigmoid(logits) if self.scoring == "sigmoid" else F.softplus(logits).sqrt()
+        # one kernel on a GPU without autograd (hash: ~12 torch kernels, else ~10); torch's ops under it
+        backend = "reference" if torch.is_grad_enabled() else None
         if self.hashed:
-            experts = self.tid2eid[input_ids].long()
-        else:
-            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, experts)
-        return weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale, experts.to(torch.int32)
+            return hash_experts(logits, self.tid2eid, input_ids, self.scale, scoring=self.scoring, backend=backend)
+        return select_experts(logits, self.e_score_correction_bias, self.top_k, 1, 1, True, self.scale,
+                              scoring=self.scoring, backend=backend)
 
 
 class Experts(nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -170,3 +170,21 @@ def assert_clip_matters(args: dict, swiglu_limit: float) -> None:
     clipped, plain = dense_moe(**args, swiglu_limit=swiglu_limit), dense_moe(**args)
     moved = (clipped - plain).abs().max().item()
     assert moved > 0.25 * clipped.abs().max().item(), f"seed {SEED}: the clip at {swiglu_limit} moves only {moved:.3g}"
+
+
+def assert_sync_free_and_replayable(run: Callable[[], tuple[torch.Tensor, ...]], refill: Callable[[], None]) -> None:
+    """``run`` (a GPU op on fixed input tensors) makes no host sync, and a CUDA graph of it,
+    replayed after ``refill`` rewrites those inputs in place, gives what eager ``run`` gives."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    refill()
+    graph.replay()
+    eager = run()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager)), f"seed {SEED}: replay differs from eager"

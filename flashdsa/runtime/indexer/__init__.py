@@ -109,13 +109,18 @@ def hadamard_transform(x: torch.Tensor, *, backend: Optional[str] = None) -> tor
     return dispatch.select("hadamard_transform", x.device, backend, head_dim=n, dtype=x.dtype)(x)
 
 
+def _check_indexer_rows(x: object) -> None:
+    """x: bf16/fp16/fp32 [..., 128], the rows the indexer quantizes."""
+    _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32), "bf16/fp16/fp32 [..., 128]")
+    check(x.shape[-1] == INDEX_HEAD_DIM, f"x must be [..., 128], got {list(x.shape)}")
+
+
 def quantize_indexer(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 quantization with one power-of-two scale per 128 values (``2^ceil(log2(amax/448))``).
 
     x: [..., 128] bf16/fp16/fp32. Returns (e4m3 [..., 128], scale fp32 [...]), ``x ~= q * scale``.
     """
-    _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32), "bf16/fp16/fp32 [..., 128]")
-    check(x.shape[-1] == INDEX_HEAD_DIM, f"x must be [..., 128], got {list(x.shape)}")
+    _check_indexer_rows(x)
     return quantize_indexer_key(x)
 
 
@@ -125,8 +130,7 @@ def rotate_quantize_indexer(x: torch.Tensor, *, backend: Optional[str] = None) -
     x: [..., 128] bf16/fp16/fp32. Returns (e4m3 [..., 128], scale fp32 [...]), bit-identical to
     the two calls (the rotation rounds to x's dtype before quantizing).
     """
-    _check_float("x", x, (torch.bfloat16, torch.float16, torch.float32), "bf16/fp16/fp32 [..., 128]")
-    check(x.shape[-1] == INDEX_HEAD_DIM, f"x must be [..., 128], got {list(x.shape)}")
+    _check_indexer_rows(x)
     return dispatch.select("rotate_quantize_indexer", x.device, backend, dtype=x.dtype)(x)
 
 

@@ -3,9 +3,11 @@
 For T tokens, each routed to top_k of E experts (hidden H, intermediate I)::
 
     router_logits [T, E] --select_experts--> weights [T, k] fp32, expert_ids [T, k] int32
+    (DeepSeek-V4's hash layers: router_logits, tid2eid [V, k], token ids [T] --hash_experts--> the same)
     fused_moe: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert_ids[t, j]
 
-(DeepSeek-V4 clips the SwiGLU: ``silu(min(gate, L)) * clamp(up, -L, L)``, fused_moe's ``swiglu_limit``.)
+(DeepSeek-V4 clips the SwiGLU: ``silu(min(gate, L)) * clamp(up, -L, L)``, fused_moe's ``swiglu_limit``;
+``swiglu`` is that activation alone, for the shared expert, whose GEMMs are plain linear layers.)
 
 A (token, slot) pair is the flat index ``p = t * top_k + j``. An expert id < 0 or >= E (under
 expert parallelism: an expert another rank owns) contributes nothing and is never dereferenced.
@@ -15,9 +17,11 @@ on the input shapes, so a decode step built on these ops can be captured in a CU
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device; loops over the
 experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 weights, FP8 e4m3 weights
 with 128x128 block scales, or FP4 e2m1 weights packed two a byte with a power-of-two scale per 32
-inputs, DeepSeek-V4's release format; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64).
-Registered targets: ``{align_tokens, fused_moe, select_experts}`` -> ``flashdsa.runtime.moe.reference:<op>``
-and ``flashdsa.runtime.moe.triton.{align,fused_moe,routing}:<op>``.
+inputs, DeepSeek-V4's release format; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64;
+swiglu: one elementwise kernel). Registered targets: ``{align_tokens, fused_moe, select_experts,
+hash_experts, swiglu}`` -> ``flashdsa.runtime.moe.reference:<op>`` and
+``flashdsa.runtime.moe.triton.<module>:<op>`` (modules ``align``, ``fused_moe``, ``routing`` for both
+routings, ``swiglu``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.moe.alignment import AlignedPairs, max_blocks
 
-__all__ = ["AlignedPairs", "align_tokens", "fused_moe", "max_blocks", "select_experts"]
+__all__ = ["AlignedPairs", "align_tokens", "fused_moe", "hash_experts", "max_blocks", "select_experts", "swiglu"]
 
 SCALE_GROUP = 128  # rows and columns per FP8 weight-scale block
 TRITON_MAX_EXPERTS = 1024  # the triton alignment holds one counter per expert in registers
@@ -56,6 +60,8 @@ def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequ
 
 SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's scoring_func choices
 TRITON_SCORINGS = ("sigmoid", "sqrtsoftplus")
+SWIGLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only (gradchecks)
+TRITON_SWIGLU_DTYPES = SWIGLU_DTYPES[:3]
 
 
 def _triton_routes(padded_experts: int, top_k: int, scoring: str = "sigmoid", **_) -> Optional[str]:
@@ -66,11 +72,19 @@ def _triton_routes(padded_experts: int, top_k: int, scoring: str = "sigmoid", **
     return None if top_k <= TRITON_MAX_TOP_K else f"triton routing takes top_k <= {TRITON_MAX_TOP_K}, got {top_k}"
 
 
-for _op, _module in (("align_tokens", "align"), ("fused_moe", "fused_moe")):
+def _triton_hash_routes(top_k: int, scoring: str, **_) -> Optional[str]:
+    return _triton_routes(1, top_k, scoring)  # the kernel holds a token's top_k logits, not its row
+
+
+def _triton_activates(dtype: torch.dtype, **_) -> Optional[str]:
+    return None if dtype in TRITON_SWIGLU_DTYPES else f"triton swiglu takes bf16/fp16/fp32, got {dtype}"
+
+
+for _op, _module, _supports in (("align_tokens", "align", _triton_supports), ("fused_moe", "fused_moe", _triton_supports),
+                                ("select_experts", "routing", _triton_routes), ("hash_experts", "routing", _triton_hash_routes),
+                                ("swiglu", "swiglu", _triton_activates)):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
-    dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", _triton_supports)
-dispatch.register("select_experts", "reference", f"{__name__}.reference:select_experts")
-dispatch.register("select_experts", "triton", f"{__name__}.triton.routing:select_experts", _triton_routes)
+    dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", _supports)
 
 
 def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
@@ -108,15 +122,75 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     check(topk_group == n_group or per_group >= 2,
           f"group-limited routing ranks groups by their two best experts: groups of {per_group} are too small")
     check(isinstance(norm_topk_prob, bool), f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
-    is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
-    check(is_number and math.isfinite(routed_scaling_factor),
-          f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
+    factor = _check_factor(routed_scaling_factor)
     check(scoring in SCORINGS, f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
     padded = (1 << (n_group - 1).bit_length()) * (1 << (per_group - 1).bit_length())
     impl = dispatch.select("select_experts", router_logits.device, backend, padded_experts=padded, top_k=top_k,
                            scoring=scoring)
-    return impl(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob, float(routed_scaling_factor),
-                scoring)
+    return impl(router_logits, bias.float(), top_k, n_group, topk_group, norm_topk_prob, factor, scoring)
+
+
+def _check_factor(routed_scaling_factor: object) -> float:
+    is_number = isinstance(routed_scaling_factor, (int, float)) and not isinstance(routed_scaling_factor, bool)
+    check(is_number and math.isfinite(routed_scaling_factor),
+          f"routed_scaling_factor must be a finite number, got {routed_scaling_factor!r}")
+    return float(routed_scaling_factor)
+
+
+def hash_experts(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                 routed_scaling_factor: float, *, scoring: str = "sqrtsoftplus",
+                 backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's hash routing: each token takes the ``top_k`` experts its id's row of a table
+    fixed at training gives, weighted by their scores normalized to sum 1, on the device with no sync.
+
+    router_logits: [T, E] fp32 (``x @ W_gate^T``; rows may be strided); tid2eid: [V, top_k] int64
+    or int32, the experts of each token id; input_ids: [T] int64 or int32 token ids.
+    Scores ``s = scoring(logits)`` (``sqrtsoftplus``, ``sigmoid`` or ``softmax`` over the row, as
+    :func:`select_experts`); the weights are the chosen experts' ``s``, divided by their sum
+    (+1e-20), times ``routed_scaling_factor``. Returns (weights [T, top_k] fp32, expert_ids
+    [T, top_k] int32) in the table's order. A table entry outside [0, E), and every entry of a
+    token id outside [0, V), comes out as id -1 with weight 0 (``fused_moe`` skips it; nothing
+    outside the tensors is read). The triton backend is one kernel a token reading only its
+    ``top_k`` logits (softmax needs the whole row: reference only): the same experts, the
+    weights within an ulp (the chosen scores summed in another order).
+    """
+    check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]", contiguous=False)
+    tokens, num_experts = router_logits.shape
+    check(router_logits.stride(1) == 1, f"router_logits must have contiguous rows, got strides {router_logits.stride()}")
+    device = router_logits.device
+    check_tensor("tid2eid", tid2eid, (torch.int64, torch.int32), [None, None], "int64/int32 [V, top_k]", device)
+    vocab, top_k = tid2eid.shape
+    check(vocab >= 1 and top_k >= 1, f"tid2eid must be int64/int32 [V >= 1, top_k >= 1], got {describe(tid2eid)}")
+    check_tensor("input_ids", input_ids, (torch.int64, torch.int32), [tokens], f"int64/int32 [T={tokens}]", device)
+    factor = _check_factor(routed_scaling_factor)
+    check(scoring in SCORINGS, f"scoring must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+    impl = dispatch.select("hash_experts", device, backend, top_k=top_k, scoring=scoring)
+    return impl(router_logits, tid2eid, input_ids, factor, scoring)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float] = None, *,
+           backend: Optional[str] = None) -> torch.Tensor:
+    """The gated activation of a SwiGLU MLP, ``silu(gate) * up``; with ``limit`` L (a number > 0)
+    DeepSeek-V4's clipped form ``silu(min(gate, L)) * clamp(up, -L, L)``.
+
+    gate, up: [T, I] of one dtype, bf16/fp16/fp32 (fp64: reference only), each row contiguous but
+    the rows may be strided (the two halves of a fused gate|up GEMM's ``[T, 2I]`` output, read in
+    place). Returns [T, I] contiguous in that dtype, computed as torch's clamp, silu and product
+    (each rounded to the dtype; L too). The triton backend is one kernel (torch's: four with the
+    clip), equal to torch's on a GPU; it does not record autograd, so a caller that needs gradients
+    forces ``backend="reference"``.
+    """
+    check_tensor("gate", gate, SWIGLU_DTYPES, [None, None], "bf16/fp16/fp32/fp64 [T, I]", contiguous=False)
+    check_tensor("up", up, gate.dtype, list(gate.shape), f"{_name(gate.dtype)} {list(gate.shape)} like gate",
+                 gate.device, contiguous=False)
+    for name, t in (("gate", gate), ("up", up)):
+        check(t.stride(1) == 1 or t.shape[1] <= 1, f"{name} must have contiguous rows, got strides {t.stride()}")
+    if limit is not None:
+        is_number = isinstance(limit, (int, float)) and not isinstance(limit, bool)
+        check(is_number and limit > 0, f"limit must be a number > 0 (inf: no clip) or None, got {limit!r}")
+        limit = float(limit)
+    impl = dispatch.select("swiglu", gate.device, backend, dtype=gate.dtype)
+    return impl(gate, up, limit)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,7 +1,8 @@
 """Reference MoE ops in torch (any device): the ground truth of the triton backend.
 
-select_experts is torch ops that never sync (the triton backend: one kernel). align_tokens and fused_moe loop
-over the experts, reading each expert's pairs back to the host: clear, but one sync per expert.
+select_experts, hash_experts and swiglu are torch ops that never sync (the triton backend: one
+kernel each). align_tokens and fused_moe loop over the experts, reading each expert's pairs back
+to the host: clear, but one sync per expert.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
     return weights * routed_scaling_factor, expert_ids.to(torch.int32)
+
+
+def hash_experts(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                 routed_scaling_factor: float, scoring: str = "sqrtsoftplus") -> tuple[torch.Tensor, torch.Tensor]:
+    vocab, num_experts = tid2eid.shape[0], router_logits.shape[1]
+    known = ((input_ids >= 0) & (input_ids < vocab))[:, None]
+    ids = tid2eid[input_ids.clamp(0, vocab - 1)].long()  # [T, k]
+    ids = torch.where(known & (ids >= 0) & (ids < num_experts), ids, -1)
+    scores = routing_scores(router_logits, scoring).gather(1, ids.clamp(min=0))
+    weights = torch.where(ids >= 0, scores, 0.0)
+    return weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS) * routed_scaling_factor, ids.to(torch.int32)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None:  # DeepSeek-V4's clip; torch rounds the bound to the tensors' dtype
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 def align_tokens(expert_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int) -> AlignedPairs:

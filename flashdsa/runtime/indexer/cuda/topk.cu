@@ -85,7 +85,7 @@ struct TopK {
   static __device__ ulonglong2 block_exclusive_sum(ulonglong2 v, ulonglong2& total, Shared& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     ulonglong2 inc = v;
-  #pragma unroll
+#pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
       unsigned long long x = __shfl_up_sync(0xffffffffu, inc.x, d);
       unsigned long long y = __shfl_up_sync(0xffffffffu, inc.y, d);
@@ -95,7 +95,7 @@ struct TopK {
     __syncthreads();
     ulonglong2 before = make_ulonglong2(0, 0);
     total = make_ulonglong2(0, 0);
-  #pragma unroll
+#pragma unroll
     for (int w = 0; w < WARPS; ++w) {
       const ulonglong2 t = s.warp_sums[w];
       if (w < warp) { before.x += t.x; before.y += t.y; }
@@ -111,7 +111,7 @@ struct TopK {
     constexpr int PER = BINS / THREADS;  // thread t owns bins BINS-1-PER*t-i, i < PER (descending)
     uint32_t h[PER];
     uint32_t local = 0;
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int b = BINS - 1 - PER * threadIdx.x - i - (BINS - bins);
       h[i] = b >= 0 ? s.select.hist[b] : 0;
@@ -123,7 +123,7 @@ struct TopK {
     if (threadIdx.x == 0) { s.need = need; s.digit = -1; }
     __syncthreads();
     unsigned long long at_or_above = before;
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < PER; ++i) {
       at_or_above += h[i];
       if (need > 0 && h[i] > 0 && at_or_above >= static_cast<unsigned>(need) &&
@@ -150,7 +150,7 @@ struct TopK {
 
     __device__ __forceinline__ void load(const float* row, int base, int lo, int hi, int width) {
       const bool inside = base >= lo && base + SIZE <= hi;  // the whole tile in range: no column checks
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j) {
         const int p = pos(base, j, 0);
         float v[VEC];
@@ -158,10 +158,10 @@ struct TopK {
           const float4 q = *reinterpret_cast<const float4*>(row + p);
           v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
         } else {
-  #pragma unroll
+#pragma unroll
           for (int i = 0; i < VEC; ++i) v[i] = (p + i < hi && p + i >= lo) ? row[p + i] : __int_as_float(0x7f800000);
         }
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           key[j][i] = (inside || (p + i >= lo && p + i < hi)) && is_finite(v[i]) ? order_key(v[i]) : 0u;
         }
@@ -184,12 +184,12 @@ struct TopK {
     const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
     const int above_shift = level == 0 ? 32 : shift_of(level - 1);
     Tile tile;
-  #pragma unroll 2
+#pragma unroll 2
     for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
       tile.load(row, base, lo, hi, width);
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j)
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const uint32_t k = tile.key[j][i];
           const bool match = above_shift == 32 || (k >> above_shift) == prefix;
@@ -204,7 +204,7 @@ struct TopK {
   static __device__ __forceinline__ int reserve(int count, int* length) {
     const int lane = threadIdx.x & 31;
     int inclusive = count;
-  #pragma unroll
+#pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
       const int x = __shfl_up_sync(0xffffffffu, inclusive, d);
       if (lane >= d) inclusive += x;
@@ -221,13 +221,13 @@ struct TopK {
     if (threadIdx.x == 0) s.num_sel = s.num_cand = 0;
     __syncthreads();
     Tile tile;
-  #pragma unroll 2
+#pragma unroll 2
     for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
       tile.load(row, base, lo, hi, width);
       int above = 0, equal = 0;
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j)
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const uint32_t high = tile.key[j][i] >> shift;
           above += tile.key[j][i] != 0 && high > prefix;
@@ -235,9 +235,9 @@ struct TopK {
         }
       if (!__any_sync(0xffffffffu, above + equal)) continue;  // most tiles of a long row
       int a = reserve(above, &s.num_sel), e = reserve(equal, &s.num_cand);
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j)
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const uint32_t k = tile.key[j][i];
           if (k == 0) continue;
@@ -263,9 +263,9 @@ struct TopK {
     for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
       tile.load(row, base, lo, hi, width);
       unsigned long long packed_above = 0, packed_equal = 0;  // 16-bit count per load j
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j)
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const uint32_t k = tile.key[j][i];
           packed_above += static_cast<unsigned long long>(k != 0 && k > threshold) << (16 * j);
@@ -274,11 +274,11 @@ struct TopK {
       ulonglong2 total;
       const ulonglong2 before = block_exclusive_sum(make_ulonglong2(packed_above, packed_equal), total, s);
       int sel_at = num_sel, cand_at = num_cand;
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < LOADS; ++j) {
         int a = sel_at + static_cast<int>((before.x >> (16 * j)) & 0xffff);
         int e = cand_at + static_cast<int>((before.y >> (16 * j)) & 0xffff);
-  #pragma unroll
+#pragma unroll
         for (int i = 0; i < VEC; ++i) {
           const uint32_t k = tile.key[j][i];
           const int p = Tile::pos(base, j, i);
@@ -334,7 +334,7 @@ struct TopK {
     uint32_t key[CAND_ITEMS];
     int pos[CAND_ITEMS];
     int ties = 0;
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < CAND_ITEMS; ++i) {
       const int c = THREADS * i + threadIdx.x;
       key[i] = c < num_cand ? s.select.cand_key[c] : 0;
@@ -352,11 +352,11 @@ struct TopK {
       lowest_kept = exact_threshold(s.select.tie_key, s.num_ties, 0, 0, exact_need, s);
     }
     int kept = 0;
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < CAND_ITEMS; ++i)
       kept += key[i] > threshold || (key[i] == threshold && ~static_cast<uint32_t>(pos[i]) >= lowest_kept);
     int at = reserve(kept, &s.num_cand);  // the candidates are in registers: overwriting the list is safe
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < CAND_ITEMS; ++i)
       if (key[i] > threshold || (key[i] == threshold && ~static_cast<uint32_t>(pos[i]) >= lowest_kept)) {
         s.select.cand_key[at] = key[i];
@@ -373,7 +373,7 @@ struct TopK {
     const int column_bits = 32 - __clz(max(width - 1, 1));  // every column fits
     const uint32_t last_column = static_cast<uint32_t>((uint64_t{1} << column_bits) - 1);
     uint64_t item[SORT_ITEMS];
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = SORT_ITEMS * threadIdx.x + i;
       const uint32_t key = r < num_sel ? s.sel_key[r] : r < n ? s.select.cand_key[r - num_sel] : 0u;
@@ -384,17 +384,17 @@ struct TopK {
     __syncthreads();  // the sorts' storage overlays the candidates
     if (sorted) {
       SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < SORT_ITEMS; ++i) item[i] = last_column - (item[i] & last_column);
     } else {
       uint32_t column[SORT_ITEMS];
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < SORT_ITEMS; ++i) column[i] = static_cast<uint32_t>(item[i]);
       SortByColumn(s.by_column).Sort(column, 0, column_bits);  // padding (every bit set) last
-  #pragma unroll
+#pragma unroll
       for (int i = 0; i < SORT_ITEMS; ++i) item[i] = column[i];
     }
-  #pragma unroll
+#pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = SORT_ITEMS * threadIdx.x + i;
       if (r < topk) out[r] = r < n ? static_cast<int>(item[i]) : -1;

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 group-limited routing of one token row per Triton program (E <= 4096 in registers).
+"""DeepSeek-V3 group-limited routing of one token row per Triton program (E <= 4096 in registers),
+and DeepSeek-V4's hash routing (the experts a table gives each token id, one token a program).
 
 The row is a [groups, experts per group] tile: sigmoid scores (or DeepSeek-V4's sqrt(softplus):
 torch's softplus, ``x`` above 20, else libdevice's ``log1pf(expf(x))``, then a rounded square root),
@@ -7,7 +8,8 @@ two best, the kept groups (rank by count of better groups, ties to the lower gro
 rounds of "best available expert, lowest index on ties" - the order of the reference's stable
 descending sort. On a GPU the sigmoid is libdevice's ``expf`` and an IEEE division, as torch's
 kernel computes it, so the experts chosen equal the reference's; the interpreter (no libdevice)
-uses NumPy's exp. NaN choices count as -inf, so every id stays inside [0, E).
+uses NumPy's exp. NaN choices count as -inf, so every id stays inside [0, E). The hash routing
+reads only its token's ``top_k`` logits and scores them with the same functions.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from flashdsa.runtime.moe.reference import NORM_EPS
 
 
 @triton.jit
+def torch_exp(x, LIBDEVICE: tl.constexpr):
+    """fp32 ``exp(x)`` as torch's CUDA kernels compute it (libdevice's expf, not the fast ``ex2``
+    approximation); NumPy's exp in the interpreter, which has no libdevice."""
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def _sigmoid(x, LIBDEVICE: tl.constexpr):
     """``1 / (1 + exp(-x))`` with torch's CUDA roundings (libdevice expf, IEEE division)."""
-    if LIBDEVICE:
-        e = libdevice.exp(-x)
-    else:
-        e = tl.exp(-x)
-    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + e)
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + torch_exp(-x, LIBDEVICE))
 
 
 @triton.jit
@@ -89,6 +97,42 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
         weights = tl.math.div_rn(weights, tl.full([K_BLOCK], total + norm_eps, tl.float32))
     tl.store(weights_ptr + t * TOP_K + k, weights * scaling, mask=k < TOP_K)
     tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+@triton.jit
+def _hash_route_kernel(logits_ptr, table_ptr, tokens_ptr, weights_ptr, ids_ptr, stride_l, num_experts, vocab,
+                       scaling, norm_eps, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                       SQRT_SOFTPLUS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, K_BLOCK)
+    token = tl.load(tokens_ptr + t).to(tl.int64)
+    known = (token >= 0) & (token < vocab)  # an id outside the table routes nowhere
+    entry = tl.load(table_ptr + token * TOP_K + k, mask=known & (k < TOP_K), other=-1)
+    valid = (entry >= 0) & (entry < num_experts)  # an entry outside [0, E) is -1, never dereferenced
+    ids = tl.where(valid, entry, -1).to(tl.int32)
+    logits = tl.load(logits_ptr + t * stride_l + ids, mask=valid, other=0.0)
+    if SQRT_SOFTPLUS:
+        scores = _sqrt_softplus(logits, LIBDEVICE)
+    else:
+        scores = _sigmoid(logits, LIBDEVICE)
+    scores = tl.where(valid, scores, 0.0)
+    weights = tl.math.div_rn(scores, tl.full([K_BLOCK], tl.sum(scores, axis=0) + norm_eps, tl.float32))
+    tl.store(weights_ptr + t * TOP_K + k, weights * scaling, mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def hash_experts(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                 routed_scaling_factor: float, scoring: str = "sqrtsoftplus") -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, top_k = input_ids.shape[0], tid2eid.shape[1]
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens == 0:
+        return weights, ids
+    _hash_route_kernel[(tokens,)](router_logits, tid2eid, input_ids, weights, ids, router_logits.stride(0),
+                                  router_logits.shape[1], tid2eid.shape[0], routed_scaling_factor, NORM_EPS,
+                                  TOP_K=top_k, K_BLOCK=triton.next_power_of_2(top_k), LIBDEVICE=not interpreting(),
+                                  SQRT_SOFTPLUS=scoring == "sqrtsoftplus", num_warps=1)
+    return weights, ids
 
 
 def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
