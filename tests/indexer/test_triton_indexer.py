@@ -154,8 +154,10 @@ def check_rotate_quantize(x: torch.Tensor) -> None:
 
 
 def quantize_inputs(shape, dtype, device, g) -> torch.Tensor:
-    """Normal rows, rows scaled far apart (tiny to large scales), an all-zero row and one spike."""
-    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-30, 30, (*shape[:-1], 1), generator=g).float())
+    """Normal rows, rows scaled far apart (tiny to large scales, finite in ``dtype`` once rotated:
+    fp16 overflows past 2^16), an all-zero row and one spike."""
+    span = 10 if dtype == torch.float16 else 30
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-span, span, (*shape[:-1], 1), generator=g).float())
     x.view(-1, shape[-1])[0] = 0.0
     x.view(-1, shape[-1])[-1, 5] = 3e4
     return x.to(device, dtype)

@@ -18,7 +18,7 @@ def restated(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch
     """``silu(min(g, L)) * clamp(u, -L, L)`` in float64, L rounded to the inputs' dtype."""
     g, u = gate.double(), up.double()
     if limit is not None:
-        bound = torch.tensor(limit, dtype=gate.dtype).double()
+        bound = torch.tensor(limit, dtype=gate.dtype, device=gate.device).double()
         g, u = torch.minimum(g, bound), u.clamp(-bound, bound)
     return g * torch.sigmoid(g) * u
 

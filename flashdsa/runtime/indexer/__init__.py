@@ -128,7 +128,9 @@ def rotate_quantize_indexer(x: torch.Tensor, *, backend: Optional[str] = None) -
     """``quantize_indexer(hadamard_transform(x))``, the indexer queries' path: one kernel on a GPU.
 
     x: [..., 128] bf16/fp16/fp32. Returns (e4m3 [..., 128], scale fp32 [...]), bit-identical to
-    the two calls (the rotation rounds to x's dtype before quantizing).
+    the two calls (the rotation rounds to x's dtype before quantizing) for rows whose rotation is
+    finite; a row holding inf or NaN (an fp16 query past 65504: the model has already diverged)
+    gets garbage codes, not the reference's NaN.
     """
     _check_indexer_rows(x)
     return dispatch.select("rotate_quantize_indexer", x.device, backend, dtype=x.dtype)(x)
