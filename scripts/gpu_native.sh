@@ -30,6 +30,9 @@ if command -v compute-sanitizer >/dev/null; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
   done
+  echo "== racecheck tests/indexer/test_cuda_topk.py" >> "$out/memcheck.log"
+  compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/indexer/test_cuda_topk.py --memcheck \
+    2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
 fi
 if [ -n "$flashmla_build" ]; then
   wait "$flashmla_build" || { echo "FlashMLA build failed:"; tail -n 20 "$out/flashmla-build.tmp"; }

@@ -52,9 +52,11 @@ def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, length, topk", [
     (8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (3, 1, 1), (6, 4099, 2048), (2, 70001, 2048),
-    (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1), (300, 2500, 256), (1000, 9000, 2048)])
+    (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1), (300, 2500, 256), (400, 9000, 2048),
+    (1100, 9000, 2048), (1200, 3000, 64)])
 def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, topk):
-    """Rows fewer than twice the SMs run 1024-thread CTAs, more rows 512-thread ones."""
+    """Rows fewer than twice the SMs run 1024-thread CTAs, fewer than four times 512-thread ones
+    (132 SMs: 300, 400), more rows 256-thread ones (1100, 1200)."""
     g = generator(rows, length, topk)
     logits = tricky_logits(rows, length, cuda, g)
     check(logits, topk)
@@ -72,11 +74,13 @@ def test_rows_off_16_byte_boundaries_match(offset, width):
 
 
 @pytest.mark.gpu
-def test_crowded_threshold_bins_resolve_every_digit():
+@pytest.mark.parametrize("rows_per_sm", [0, 2, 4])
+def test_crowded_threshold_bins_resolve_every_digit(rows_per_sm):
     """Scores in a narrow band (every score in the top bin: the second and third digit passes read
     the row), all equal (the lowest columns win), many copies of the threshold score (more than the
-    4096 candidates held in shared memory: the ordered pass; fewer: the select on columns), and
-    equal scores above the threshold (sorted by column)."""
+    candidates held in shared memory, 4096 or 2048 by the CTA size: the ordered pass; fewer: the
+    select on columns), and equal scores above the threshold (sorted by column). The 8 rows repeat
+    to ``rows_per_sm`` rows an SM, so each CTA size (1024, 512, 256 threads) runs them."""
     g = generator(7)
     logits = torch.randn(8, 50000, generator=g)
     logits[0] = 1.0 + torch.randint(0, 50, (50000,), generator=g).float() * 2**-20
@@ -90,9 +94,26 @@ def test_crowded_threshold_bins_resolve_every_digit():
     logits[5, columns[:3000]] = 2.0  # 3000 tied at the threshold, 2048 taken by the lowest columns
     logits[6, columns[:1000]] = 3.0  # 1000 equal above the threshold, then 1048 of 2500 tied
     logits[6, columns[1000:3500]] = 2.0
+    logits[7] = -1.0  # 1000 above, then 1048 of 1500 tied: the select on columns for every CTA size
+    logits[7, columns[3500:4500]] = 3.0
+    logits[7, columns[4500:6000]] = 2.0
+    copies = max(1, -(-rows_per_sm * torch.cuda.get_device_properties(cuda).multi_processor_count // 8))
+    logits = logits.repeat(copies, 1).to(cuda)
+    check(logits, 2048)
+    check(logits, 17, *random_ranges(logits.shape[0], 50000, g))
+    assert indexer_topk(logits[1:2], 2048, backend="cuda").tolist() == [list(range(2048))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [200, 1000])
+def test_rows_whose_digit_passes_resolve_the_threshold_have_no_race(rows):
+    """Every row's scores share their top 21 key bits (1 + j * 2^-20, 50 values of ~1000 copies):
+    the row passes resolve all three digits, and the ~1000 candidates level with the threshold are
+    cut by column. A missing barrier there once lost about one such row in 500 (512- and
+    256-thread CTAs)."""
+    g = generator(rows)
+    logits = 1.0 + torch.randint(0, 50, (rows, 50000), generator=g).float() * 2**-20
     check(logits.to(cuda), 2048)
-    check(logits.to(cuda), 17, *random_ranges(8, 50000, g))
-    assert indexer_topk(logits[1:2].to(cuda), 2048, backend="cuda").tolist() == [list(range(2048))]
 
 
 @pytest.mark.gpu
@@ -173,13 +194,15 @@ def test_dispatch_picks_cuda_on_hopper_and_refuses_larger_topk(monkeypatch):
 
 
 def run_memcheck_case() -> None:
-    """Small cases that stress the edges for compute-sanitizer: ranges at the row ends, empty rows,
-    rows with nothing finite, topk > length, unaligned views, crowded bins."""
+    """Small cases that stress the edges for compute-sanitizer (memcheck, racecheck): ranges at the
+    row ends, empty rows, rows with nothing finite, topk > length, unaligned views, every CTA size,
+    crowded bins (the last: all three digits resolved by row passes)."""
     g = generator(5)
     logits = tricky_logits(8, 1501, cuda, g)
     check(logits, 2048, *random_ranges(8, 1501, g))
     check(logits.view(-1)[1:1 + 8 * 1500].view(8, 1500), 64)
     check(tricky_logits(300, 700, cuda, g), 300)  # 512-thread CTAs
+    check(tricky_logits(600, 300, cuda, g), 64)  # 256-thread CTAs
     check(torch.full((3, 900), float("nan"), device=cuda), 16)
     check((1.0 + torch.randint(0, 9, (2, 9000), generator=g).float() * 2**-20).to(cuda), 2048)
     torch.cuda.synchronize()

@@ -33,7 +33,6 @@ namespace {
 constexpr int VEC = 4;                   // scores per 128-bit load
 constexpr int LOADS = 2;                 // 128-bit loads per thread and tile (4 spill at 64 registers)
 constexpr int MAX_TOPK = 2048;           // the selection is held and sorted in shared memory
-constexpr int CAND_CAP = 4096;           // threshold-bin scores resolved in shared memory
 constexpr int BINS = 2048;               // 11-bit digits
 constexpr int LEVELS = 3;
 // key digits, most significant first: bits [21, 32), [10, 21), [0, 10)
@@ -50,10 +49,11 @@ __device__ __forceinline__ bool is_finite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
-// The kernel's pieces for CTAs of THREADS threads (512: two CTAs an SM, for many rows; 1024: one,
-// for rows too few to fill the GPU with two CTAs an SM).
+// The kernel's pieces for CTAs of THREADS threads (256: four CTAs an SM, for many rows; 512: two;
+// 1024: one, for rows too few to fill the GPU with two CTAs an SM).
 template <int THREADS>
 struct TopK {
+  static constexpr int CAND_CAP = THREADS >= 512 ? 4096 : 2048;  // threshold-bin scores resolved in shared memory
   static constexpr int SORT_ITEMS = MAX_TOPK / THREADS;
   static constexpr int CAND_ITEMS = CAND_CAP / THREADS;
   static constexpr int WARPS = THREADS / 32;
@@ -79,7 +79,8 @@ struct TopK {
     int num_sel, num_cand, num_ties;      // list lengths appended to by atomics
   };
 
-  static_assert(sizeof(Shared) <= 113 * 1024, "two CTAs per SM need at most 113 KB of shared memory each");
+  static_assert(sizeof(Shared) <= (228 * THREADS / 1024 - 1) * 1024,
+                "1024 / THREADS CTAs per SM share its 228 KB of shared memory (1 KB of each reserved)");
 
   // Exclusive prefix sums over the block of two packed counters, and their block totals.
   static __device__ ulonglong2 block_exclusive_sum(ulonglong2 v, ulonglong2& total, Shared& s) {
@@ -329,6 +330,9 @@ struct TopK {
   static __device__ int keep_candidates(int num_cand, int level, uint32_t prefix, int need, Shared& s) {
     const int kept_total = need;
     const uint32_t threshold = exact_threshold(s.select.cand_key, num_cand, level, prefix, need, s);
+    // every thread has read s.num_cand (the caller's argument) before it is reset: exact_threshold
+    // makes no barrier when the row's digit passes resolved every level
+    __syncthreads();
     if (threadIdx.x == 0) s.num_ties = s.num_cand = 0;
     __syncthreads();
     uint32_t key[CAND_ITEMS];
@@ -461,12 +465,18 @@ cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t wi
 
 }  // namespace
 
+#ifndef TOPK_CTA256_ROWS_PER_SM
+#define TOPK_CTA256_ROWS_PER_SM 4
+#endif
+
 int indexer_topk_max_topk() { return MAX_TOPK; }
 
 // Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride) into
 // out [rows, topk] int32 (row stride out_stride) on `stream` of `device`. Returns nullptr or the
 // CUDA error's text. Rows too few for two 512-thread CTAs on every SM get one 1024-thread CTA
-// each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us).
+// each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us);
+// rows enough for four 256-thread CTAs on every SM get those, so more rows' phases overlap on an
+// SM (4096 rows x 64K 1383 -> 1251 us; three 256-thread CTAs an SM at 85 registers: 1475 us).
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
                                 const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
                                 void* stream) {
@@ -477,8 +487,13 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     const auto s = static_cast<cudaStream_t>(stream);
-    err = rows < 2 * sms ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s)
-                         : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
+    if (rows < 2 * sms) {
+      err = launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
+    } else if (rows < TOPK_CTA256_ROWS_PER_SM * sms) {
+      err = launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
+    } else {
+      err = launch<256>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
+    }
   }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
