@@ -53,10 +53,11 @@ def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
 @pytest.mark.parametrize("rows, length, topk", [
     (8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (3, 1, 1), (6, 4099, 2048), (2, 70001, 2048),
     (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1), (300, 2500, 256), (400, 9000, 2048),
-    (1100, 9000, 2048), (1200, 3000, 64)])
+    (300, 65536, 2048), (280, 70000, 17), (3, 200000, 2048)])
 def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, topk):
-    """Rows fewer than twice the SMs run 1024-thread CTAs, fewer than four times 512-thread ones
-    (132 SMs: 300, 400), more rows 256-thread ones (1100, 1200)."""
+    """Rows fewer than twice the SMs run 1024-thread CTAs, more rows 512-thread ones. Rows of 16
+    tiles or more (131072 columns and longer in 1024-thread CTAs, 65536 in 512-thread ones) take
+    the one-pass path with a sampled floor."""
     g = generator(rows, length, topk)
     logits = tricky_logits(rows, length, cuda, g)
     check(logits, topk)
@@ -74,13 +75,13 @@ def test_rows_off_16_byte_boundaries_match(offset, width):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_sm", [0, 2, 4])
+@pytest.mark.parametrize("rows_per_sm", [0, 2])
 def test_crowded_threshold_bins_resolve_every_digit(rows_per_sm):
     """Scores in a narrow band (every score in the top bin: the second and third digit passes read
     the row), all equal (the lowest columns win), many copies of the threshold score (more than the
-    candidates held in shared memory, 4096 or 2048 by the CTA size: the ordered pass; fewer: the
-    select on columns), and equal scores above the threshold (sorted by column). The 8 rows repeat
-    to ``rows_per_sm`` rows an SM, so each CTA size (1024, 512, 256 threads) runs them."""
+    4096 candidates held in shared memory: the ordered pass; fewer: the select on columns), and
+    equal scores above the threshold (sorted by column). The 8 rows repeat to ``rows_per_sm`` rows
+    an SM, so each CTA size (1024, 512 threads) runs them."""
     g = generator(7)
     logits = torch.randn(8, 50000, generator=g)
     logits[0] = 1.0 + torch.randint(0, 50, (50000,), generator=g).float() * 2**-20
@@ -109,11 +110,30 @@ def test_crowded_threshold_bins_resolve_every_digit(rows_per_sm):
 def test_rows_whose_digit_passes_resolve_the_threshold_have_no_race(rows):
     """Every row's scores share their top 21 key bits (1 + j * 2^-20, 50 values of ~1000 copies):
     the row passes resolve all three digits, and the ~1000 candidates level with the threshold are
-    cut by column. A missing barrier there once lost about one such row in 500 (512- and
-    256-thread CTAs)."""
+    cut by column. A missing barrier there once lost about one such row in 500."""
     g = generator(rows)
     logits = 1.0 + torch.randint(0, 50, (rows, 50000), generator=g).float() * 2**-20
     check(logits.to(cuda), 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 300])
+def test_one_pass_rows_whose_sample_misleads_fall_back(rows):
+    """One-pass rows (1024 threads at 2 rows, 512 at 300) whose sampled tiles (every 8th tile from
+    the first: 8192 and 4096 columns at those sizes) differ from the rest: sample scores far above
+    the rest's (the floor lands above the threshold bin), far below them (the buffer overflows),
+    and a sample holding the row's only finite scores; then the same with random ranges."""
+    g = generator(rows, 11)
+    length = 131072 if rows == 2 else 65536
+    tile = 8192 if rows == 2 else 4096
+    logits = torch.randn(rows, length, generator=g)
+    sample = (torch.arange(length) // tile) % 8 == 0
+    logits[0::3, sample] = 3.0 + torch.rand(logits[0::3].shape[0], int(sample.sum()), generator=g)
+    logits[1::3, sample] = -10.0 + torch.randn(logits[1::3].shape[0], int(sample.sum()), generator=g)
+    logits[2::3, ~sample] = float("-inf")
+    logits = logits.to(cuda)
+    check(logits, 2048)
+    check(logits, 300, *random_ranges(rows, length, g))
 
 
 @pytest.mark.gpu
@@ -202,7 +222,7 @@ def run_memcheck_case() -> None:
     check(logits, 2048, *random_ranges(8, 1501, g))
     check(logits.view(-1)[1:1 + 8 * 1500].view(8, 1500), 64)
     check(tricky_logits(300, 700, cuda, g), 300)  # 512-thread CTAs
-    check(tricky_logits(600, 300, cuda, g), 64)  # 256-thread CTAs
+    check(torch.randn(2, 131072, generator=g).to(cuda), 2048)  # one pass with a sampled floor
     check(torch.full((3, 900), float("nan"), device=cuda), 16)
     check((1.0 + torch.randint(0, 9, (2, 9000), generator=g).float() * 2**-20).to(cuda), 2048)
     torch.cuda.synchronize()

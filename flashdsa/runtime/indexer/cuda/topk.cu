@@ -12,7 +12,12 @@
 //     next digit (11, then 10 bits) of the scores in it (never on spread-out scores);
 //  3. one more pass over the row appends the columns above the threshold prefix to the selected
 //     list and those level with it to the candidate list, in any order (one shared-memory atomic
-//     per warp and list, no block barrier, so the loads of successive tiles overlap);
+//     per warp and list, no block barrier, so the loads of successive tiles overlap). A row of 16
+//     tiles or more reads most of itself once: step 1 first histograms a sample (every 8th tile),
+//     whose bins set a floor about 5/4 * topk scores down the row, then the other tiles, keeping
+//     the scores at or above the floor with their columns in a shared-memory buffer; when the
+//     threshold bin is at or above the floor and the buffer held them all, step 3 splits the
+//     buffer and re-reads only the sample (else, or on a crowded bin, it reads the row as above);
 //  4. the candidates' remaining digits are resolved in shared memory down to the exact threshold
 //     key; of the candidates level with it, the lowest columns are kept (a radix select on the
 //     columns when there are more than needed);
@@ -33,11 +38,22 @@ namespace {
 constexpr int VEC = 4;                   // scores per 128-bit load
 constexpr int LOADS = 2;                 // 128-bit loads per thread and tile (4 spill at 64 registers)
 constexpr int MAX_TOPK = 2048;           // the selection is held and sorted in shared memory
+constexpr int CAND_CAP = 4096;           // threshold-bin scores resolved in shared memory
 constexpr int BINS = 2048;               // 11-bit digits
 constexpr int LEVELS = 3;
+constexpr int SAMPLE_STRIDE = 8;         // one-pass rows: every 8th tile samples the scores for the floor
+constexpr int BUF_CAP = 4096;            // one-pass rows: scores at or above the floor kept in shared memory
 // key digits, most significant first: bits [21, 32), [10, 21), [0, 10)
 __host__ __device__ constexpr int shift_of(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
 __host__ __device__ constexpr int bits_of(int level) { return level == 2 ? 10 : 11; }
+
+// Which tiles of a row a pass reads: all, the sample (tiles 0, SAMPLE_STRIDE, 2 * SAMPLE_STRIDE, ...
+// from the row's first tile) or the rest.
+enum class Tiles { kAll, kSample, kRest };
+
+__device__ __forceinline__ bool reads(Tiles tiles, int t) {
+  return tiles == Tiles::kAll || ((t % SAMPLE_STRIDE == 0) == (tiles == Tiles::kSample));
+}
 
 // fp32 -> uint32 whose unsigned order is the float order; -0.0 maps with +0.0 (a tie).
 __device__ __forceinline__ uint32_t order_key(float x) {
@@ -49,11 +65,10 @@ __device__ __forceinline__ bool is_finite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
-// The kernel's pieces for CTAs of THREADS threads (256: four CTAs an SM, for many rows; 512: two;
-// 1024: one, for rows too few to fill the GPU with two CTAs an SM).
+// The kernel's pieces for CTAs of THREADS threads (512: two CTAs an SM, for many rows; 1024: one,
+// for rows too few to fill the GPU with two CTAs an SM).
 template <int THREADS>
 struct TopK {
-  static constexpr int CAND_CAP = THREADS >= 512 ? 4096 : 2048;  // threshold-bin scores resolved in shared memory
   static constexpr int SORT_ITEMS = MAX_TOPK / THREADS;
   static constexpr int CAND_ITEMS = CAND_CAP / THREADS;
   static constexpr int WARPS = THREADS / 32;
@@ -74,13 +89,14 @@ struct TopK {
     };
     uint32_t sel_key[MAX_TOPK];
     int sel_pos[MAX_TOPK];
+    uint32_t buf_key[BUF_CAP];  // one-pass rows: the unsampled tiles' scores at or above the floor
+    int buf_pos[BUF_CAP];
     ulonglong2 warp_sums[WARPS];
     int digit, above, level_count, need;  // the last pick_digit
-    int num_sel, num_cand, num_ties;      // list lengths appended to by atomics
+    int num_sel, num_cand, num_ties, num_buf;  // list lengths appended to by atomics
   };
 
-  static_assert(sizeof(Shared) <= (228 * THREADS / 1024 - 1) * 1024,
-                "1024 / THREADS CTAs per SM share its 228 KB of shared memory (1 KB of each reserved)");
+  static_assert(sizeof(Shared) <= 113 * 1024, "two CTAs per SM need at most 113 KB of shared memory each");
 
   // Exclusive prefix sums over the block of two packed counters, and their block totals.
   static __device__ ulonglong2 block_exclusive_sum(ulonglong2 v, ulonglong2& total, Shared& s) {
@@ -177,16 +193,21 @@ struct TopK {
     }
   };
 
-  // Histogram of digit `level` of the usable keys whose bits above it equal `prefix`.
+  // Histogram of digit `level` of the usable keys whose bits above it equal `prefix`, over `tiles`
+  // (kRest adds to the sample's histogram). A nonzero `floor` (one-pass rows) also appends the keys
+  // at or above it, with their columns, to the buffer (s.num_buf may pass BUF_CAP: overflowed).
   static __device__ void histogram_row(const float* row, int lo, int hi, int width, int level, uint32_t prefix,
-                                       Shared& s) {
-    for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
-    __syncthreads();
+                                       Shared& s, Tiles tiles = Tiles::kAll, uint32_t floor = 0) {
+    if (tiles != Tiles::kRest) {
+      for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
+      __syncthreads();
+    }
     const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
     const int above_shift = level == 0 ? 32 : shift_of(level - 1);
     Tile tile;
 #pragma unroll 2
-    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
+    for (int t = 0, base = Tile::first_tile(row, lo); base < hi; ++t, base += Tile::SIZE) {
+      if (!reads(tiles, t)) continue;
       tile.load(row, base, lo, hi, width);
 #pragma unroll
       for (int j = 0; j < LOADS; ++j)
@@ -196,7 +217,53 @@ struct TopK {
           const bool match = above_shift == 32 || (k >> above_shift) == prefix;
           if (k != 0 && match) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
         }
+      if (floor != 0) buffer_tile(tile, base, floor, s);
     }
+    __syncthreads();
+  }
+
+  // Appends the tile's keys at or above `floor` (nonzero: no unusable key) and their columns to the
+  // buffer, as far as it has room. Every lane of the warp calls it.
+  static __device__ __forceinline__ void buffer_tile(const Tile& tile, int base, uint32_t floor, Shared& s) {
+    int n = 0;
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) n += tile.key[j][i] >= floor;
+    if (!__any_sync(0xffffffffu, n)) return;
+    int at = reserve(n, &s.num_buf);
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        if (tile.key[j][i] >= floor) {
+          if (at < BUF_CAP) {
+            s.buf_key[at] = tile.key[j][i];
+            s.buf_pos[at] = Tile::pos(base, j, i);
+          }
+          ++at;
+        }
+  }
+
+  // Moves the buffered keys whose level-0 digit is above `digit` to the selected list and those
+  // equal to it to the candidate list (after clear_lists).
+  static __device__ void split_buffer(int num_buf, uint32_t digit, Shared& s) {
+    for (int c = threadIdx.x; c < num_buf; c += THREADS) {
+      const uint32_t k = s.buf_key[c], d = k >> shift_of(0);
+      if (d > digit) {
+        const int a = atomicAdd(&s.num_sel, 1);
+        s.sel_key[a] = k;
+        s.sel_pos[a] = s.buf_pos[c];
+      } else if (d == digit) {
+        const int e = atomicAdd(&s.num_cand, 1);
+        s.select.cand_key[e] = k;
+        s.select.cand_pos[e] = s.buf_pos[c];
+      }
+    }
+  }
+
+  static __device__ void clear_lists(Shared& s) {
+    if (threadIdx.x == 0) s.num_sel = s.num_cand = 0;
     __syncthreads();
   }
 
@@ -215,15 +282,15 @@ struct TopK {
     return __shfl_sync(0xffffffffu, base, 31) + inclusive - count;
   }
 
-  // Unordered pass: columns whose key >> shift is above `prefix` are appended to the selected list,
-  // those equal to it to the candidate list (s.num_sel, s.num_cand long after the call).
+  // Unordered pass over `tiles`: columns whose key >> shift is above `prefix` are appended to the
+  // selected list, those equal to it to the candidate list (s.num_sel, s.num_cand long after the
+  // call; clear_lists before the first appends).
   static __device__ void gather_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix,
-                                    Shared& s) {
-    if (threadIdx.x == 0) s.num_sel = s.num_cand = 0;
-    __syncthreads();
+                                    Shared& s, Tiles tiles = Tiles::kAll) {
     Tile tile;
 #pragma unroll 2
-    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
+    for (int t = 0, base = Tile::first_tile(row, lo); base < hi; ++t, base += Tile::SIZE) {
+      if (!reads(tiles, t)) continue;
       tile.load(row, base, lo, hi, width);
       int above = 0, equal = 0;
 #pragma unroll
@@ -415,7 +482,21 @@ struct TopK {
     const int hi = min(max(ends[row], 0), width), lo = min(max(starts[row], 0), hi);  // never outside the row
     out += row * out_stride;
 
-    histogram_row(row_ptr, lo, hi, width, 0, 0, s);
+    // One-pass rows: the sampled tiles' histogram sets a floor at about 5/4 of topk scores over the
+    // row; the other tiles' pass also keeps the scores at or above it, so when the threshold bin
+    // is at or above the floor and all of them fit, only the sample is read again.
+    const bool one_pass = hi - Tile::first_tile(row_ptr, lo) > (2 * SAMPLE_STRIDE - 1) * Tile::SIZE;
+    uint32_t floor = 0;
+    if (one_pass) {
+      histogram_row(row_ptr, lo, hi, width, 0, 0, s, Tiles::kSample);
+      pick_digit(BINS, (topk * 5 / 4 + SAMPLE_STRIDE - 1) / SAMPLE_STRIDE, s);
+      floor = max(static_cast<uint32_t>(max(s.digit, 0)) << shift_of(0), 1u);
+      if (threadIdx.x == 0) s.num_buf = 0;
+      __syncthreads();  // s.digit is read before the next pick_digit writes it
+      histogram_row(row_ptr, lo, hi, width, 0, 0, s, Tiles::kRest, floor);
+    } else {
+      histogram_row(row_ptr, lo, hi, width, 0, 0, s);
+    }
     pick_digit(BINS, topk, s);
     const int need = s.need;
     if (need == 0) {
@@ -424,6 +505,7 @@ struct TopK {
     }
     uint32_t prefix = static_cast<uint32_t>(s.digit);
     int left = need - s.above, count = s.level_count, level = 0;
+    const bool buffered = one_pass && count <= CAND_CAP && s.num_buf <= BUF_CAP && (prefix << shift_of(0)) >= floor;
     while (count > CAND_CAP && level + 1 < LEVELS) {  // a crowded threshold bin: one more digit from the row
       ++level;
       histogram_row(row_ptr, lo, hi, width, level, prefix, s);
@@ -434,7 +516,9 @@ struct TopK {
     }
     int num_sel, num_cand;
     if (count <= CAND_CAP) {
-      gather_row(row_ptr, lo, hi, width, shift_of(level), prefix, s);
+      clear_lists(s);
+      if (buffered) split_buffer(s.num_buf, prefix, s);
+      gather_row(row_ptr, lo, hi, width, shift_of(level), prefix, s, buffered ? Tiles::kSample : Tiles::kAll);
       num_sel = s.num_sel;
       num_cand = keep_candidates(s.num_cand, level + 1, prefix, left, s);
     } else {  // more than CAND_CAP scores equal to the threshold: the first `left` of them by column
@@ -465,18 +549,14 @@ cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t wi
 
 }  // namespace
 
-#ifndef TOPK_CTA256_ROWS_PER_SM
-#define TOPK_CTA256_ROWS_PER_SM 4
-#endif
-
 int indexer_topk_max_topk() { return MAX_TOPK; }
 
 // Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride) into
 // out [rows, topk] int32 (row stride out_stride) on `stream` of `device`. Returns nullptr or the
 // CUDA error's text. Rows too few for two 512-thread CTAs on every SM get one 1024-thread CTA
-// each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us);
-// rows enough for four 256-thread CTAs on every SM get those, so more rows' phases overlap on an
-// SM (4096 rows x 64K 1383 -> 1251 us; three 256-thread CTAs an SM at 85 registers: 1475 us).
+// each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us).
+// Four 256-thread CTAs an SM ran the two-pass 4096 x 64K in 1251 us, but have no room for the
+// one-pass buffer (512 threads, one pass: 1117 us).
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
                                 const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
                                 void* stream) {
@@ -487,13 +567,8 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     const auto s = static_cast<cudaStream_t>(stream);
-    if (rows < 2 * sms) {
-      err = launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
-    } else if (rows < TOPK_CTA256_ROWS_PER_SM * sms) {
-      err = launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
-    } else {
-      err = launch<256>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
-    }
+    err = rows < 2 * sms ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s)
+                         : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
   }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
