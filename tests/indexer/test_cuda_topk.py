@@ -190,6 +190,7 @@ CASES = [
     ("topk must be in [1, ", (logits, starts, ends, 0, True, out, stream)),
     ("starts must be a Int tensor of 4 rows", (logits, starts.long(), ends, 64, True, out, stream)),
     ("ends must be a Int tensor of 4 rows", (logits, starts, ends[:3], 64, True, out, stream)),
+    ("starts and ends must be given together", (logits, starts, None, 64, True, out, stream)),
     ("out must be [4, 32]", (logits, starts, ends, 32, True, out, stream))]
 """
 

@@ -247,10 +247,9 @@ def indexer_topk(
     check_tensor("logits", logits, torch.float32, [None, None], "fp32 [T, L]")
     _check_int("topk", topk, 1)
     num_q, length = logits.shape
-    given = starts is not None or ends is not None  # only given ranges are checked (their values: a host sync)
-    starts = torch.zeros(num_q, dtype=torch.int32, device=logits.device) if starts is None else starts
-    ends = torch.full((num_q,), length, dtype=torch.int32, device=logits.device) if ends is None else ends
-    if given:
+    if starts is not None or ends is not None:  # only given ranges are checked (their values: a host sync)
+        starts = torch.zeros(num_q, dtype=torch.int32, device=logits.device) if starts is None else starts
+        ends = torch.full((num_q,), length, dtype=torch.int32, device=logits.device) if ends is None else ends
         _check_ranges(starts, ends, num_q, length, logits.device)
     check(isinstance(sorted, bool), f"sorted must be a bool, got {sorted!r}")
     return dispatch.select("indexer_topk", logits.device, backend, topk=topk)(logits, topk, starts, ends, sorted)

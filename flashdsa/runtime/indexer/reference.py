@@ -12,6 +12,7 @@ chunk, and the fused top-k equals top-k of the full logits bit for bit, ties inc
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -129,11 +130,14 @@ def _in_range_scores(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Ten
     return torch.where(keep, logits, -math.inf)
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor,
+def indexer_topk(logits: torch.Tensor, topk: int, starts: Optional[torch.Tensor], ends: Optional[torch.Tensor],
                  sorted: bool = True) -> torch.Tensor:
-    """Positions ``[T, topk]`` int32 of the ``topk`` largest finite scores in ``[starts, ends)``,
-    by descending score, ties to the lower position, -1 padded (always sorted: any order is allowed
-    with ``sorted=False``)."""
+    """Positions ``[T, topk]`` int32 of the ``topk`` largest finite scores in ``[starts, ends)``
+    (both None: whole rows), by descending score, ties to the lower position, -1 padded (always
+    sorted: any order is allowed with ``sorted=False``)."""
+    if starts is None:
+        starts = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
+        ends = torch.full_like(starts, logits.shape[1])
     out = []
     step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
     for t0 in range(0, logits.shape[0], step):

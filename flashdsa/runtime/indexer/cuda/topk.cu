@@ -28,6 +28,7 @@
 // of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
 // aligned column).
 
+#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <cub/block/block_radix_sort.cuh>
@@ -479,7 +480,8 @@ struct TopK {
     Shared& s = *reinterpret_cast<Shared*>(smem);
     const int64_t row = blockIdx.x;
     const float* row_ptr = logits + row * stride;
-    const int hi = min(max(ends[row], 0), width), lo = min(max(starts[row], 0), hi);  // never outside the row
+    const int hi = ends ? min(max(ends[row], 0), width) : width;  // no ranges: whole rows; never outside the row
+    const int lo = starts ? min(max(starts[row], 0), hi) : 0;
     out += row * out_stride;
 
     // One-pass rows: the sampled tiles' histogram sets a floor at about 5/4 of topk scores over the
@@ -535,13 +537,20 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   TopK<THREADS>::run(logits, stride, width, starts, ends, topk, sorted, out, out_stride);
 }
 
-// Launches TopK<THREADS> over the rows; returns the CUDA error.
+// Launches TopK<THREADS> over the rows of `device`; returns the CUDA error. The shared-memory
+// opt-in is made once a device (a driver call each launch costs microseconds of host time).
 template <int THREADS>
 cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts, const int* ends,
-                   int64_t topk, bool sorted, int* out, int64_t out_stride, cudaStream_t stream) {
+                   int64_t topk, bool sorted, int* out, int64_t out_stride, int device, cudaStream_t stream) {
+  static std::atomic<uint64_t> opted_in{0};  // bit d: device d
   const int bytes = sizeof(typename TopK<THREADS>::Shared);
-  cudaError_t err = cudaFuncSetAttribute(topk_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(topk_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_relaxed);
+  }
   topk_kernel<THREADS><<<static_cast<unsigned>(rows), THREADS, bytes, stream>>>(
       logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
   return cudaGetLastError();
@@ -551,8 +560,9 @@ cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t wi
 
 int indexer_topk_max_topk() { return MAX_TOPK; }
 
-// Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride) into
-// out [rows, topk] int32 (row stride out_stride) on `stream` of `device`. Returns nullptr or the
+// Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride), inside
+// [starts[r], ends[r]) or whole (both null), into out [rows, topk] int32 (row stride out_stride)
+// on `stream` of `device`. Returns nullptr or the
 // CUDA error's text. Rows too few for two 512-thread CTAs on every SM get one 1024-thread CTA
 // each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us).
 // Four 256-thread CTAs an SM ran the two-pass 4096 x 64K in 1251 us, but have no room for the
@@ -567,8 +577,9 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     const auto s = static_cast<cudaStream_t>(stream);
-    err = rows < 2 * sms ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s)
-                         : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, s);
+    err = rows < 2 * sms
+              ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s)
+              : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s);
   }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

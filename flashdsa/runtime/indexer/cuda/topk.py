@@ -5,6 +5,8 @@ dispatch falls back to Triton and says why."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from flashdsa.runtime import native
@@ -12,10 +14,10 @@ from flashdsa.runtime import native
 native.load("indexer")
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor,
+def indexer_topk(logits: torch.Tensor, topk: int, starts: Optional[torch.Tensor], ends: Optional[torch.Tensor],
                  sorted: bool = True) -> torch.Tensor:
-    """logits: [T, L] fp32, starts/ends: [T] int32 -> [T, topk] int32: the columns of the topk
-    largest finite scores in [start, end), by descending score with ties to the lower column
+    """logits: [T, L] fp32, starts/ends: [T] int32 (both None: whole rows) -> [T, topk] int32: the
+    columns of the topk largest finite scores in [start, end), by descending score with ties to the lower column
     (``sorted``) or by ascending column, then -1. CUDA-graph capturable (no host sync)."""
     out = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)
     if logits.shape[0] == 0:

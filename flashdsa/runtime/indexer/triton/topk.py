@@ -299,10 +299,11 @@ class _Selection:
         )
 
 
-def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: torch.Tensor, sorted: bool = True, *,
-                 num_warps: int = 8, split: Optional[int] = None, block: int = BLOCK) -> torch.Tensor:
-    """logits: [T, L] fp32, starts/ends: [T] int32 -> [T, topk] int32 columns of the topk
-    largest finite scores in [start, end), score descending, ties to the lower column, -1 padded.
+def indexer_topk(logits: torch.Tensor, topk: int, starts: Optional[torch.Tensor], ends: Optional[torch.Tensor],
+                 sorted: bool = True, *, num_warps: int = 8, split: Optional[int] = None,
+                 block: int = BLOCK) -> torch.Tensor:
+    """logits: [T, L] fp32, starts/ends: [T] int32 (both None: whole rows) -> [T, topk] int32 columns
+    of the topk largest finite scores in [start, end), score descending, ties to the lower column, -1 padded.
     ``split`` (columns per program, a multiple of ``block``) and ``num_warps`` tune passes 1-3."""
     k_pad = _check_topk(topk)
     num_rows, width = logits.shape
@@ -314,7 +315,8 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: torch.Tensor, ends: to
     selection = _Selection(group, width, k_pad, logits.device, split, block, num_warps)
     for r0 in range(0, num_rows, group):
         rows = slice(r0, min(r0 + group, num_rows))
-        selection.run(logits[rows], topk, width, out[rows], ranges=(starts[rows], ends[rows]), sort=sorted)
+        ranges = None if starts is None else (starts[rows], ends[rows])
+        selection.run(logits[rows], topk, width, out[rows], ranges=ranges, sort=sorted)
     return out
 
 
