@@ -46,6 +46,14 @@ class GemvTile:
     num_stages: int = 2
 
 
+# Launch shapes `bench_moe.py --sweep` times (tests/test_triton_compile.py checks each compiles):
+# narrow column tiles spread an expert over many programs; K steps of 256-1024 inputs put 2-8
+# 16-byte weight loads per thread (4 warps, 16 rows) in flight; warps and stages trade occupancy.
+CANDIDATES = (GemvTile(16, 512, 4, 2), GemvTile(16, 256, 4, 2), GemvTile(16, 1024, 4, 2), GemvTile(8, 1024, 4, 2),
+              GemvTile(32, 256, 4, 2), GemvTile(32, 512, 8, 2), GemvTile(64, 256, 8, 2), GemvTile(16, 512, 4, 1),
+              GemvTile(16, 512, 4, 3), GemvTile(8, 512, 2, 2), GemvTile(32, 1024, 8, 1), GemvTile(16, 512, 8, 2))
+
+
 @triton.jit
 def _inputs(a_ptr, a_rows, live, stride_a, groups, group_ok, HALF: tl.constexpr):
     """The K step's activations of the block's rows as fp32 ``[BLOCK_M, 1, G, HALF]``, even inputs
