@@ -32,7 +32,7 @@ import triton.language as tl
 
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.moe.alignment import AlignedPairs
-from flashdsa.runtime.moe.triton.grouped_gemm import _block_rows, _e2m1_to_bf16, _store_rows
+from flashdsa.runtime.moe.triton.grouped_gemm import _e2m1_to_bf16, _store_rows, _tile_setup
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,9 @@ def _fp4_gemv_kernel(
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:
         return
-    rows, pairs, live, a_rows = _block_rows(sorted_pairs_ptr, block, top_k, GATED, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
-    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
+    rows, pairs, live, a_rows, cols, col_ok, w_base, w_scale_base = _tile_setup(
+        sorted_pairs_ptr, w_ptr, w_scale_ptr, block, tile_n, expert, n, top_k, stride_w_expert, stride_scale_expert,
+        GATED, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
     HALF: tl.constexpr = FP4_GROUP // 2  # packed bytes a scale group

@@ -130,9 +130,11 @@ def _accumulate(acc, a, a_scale, w_base, w_scale_base, rows, row_ok, ks, k_ok, k
 
 
 @triton.jit
-def _block_rows(sorted_pairs_ptr, block, top_k, GATED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Aligned block ``block``'s rows, their pairs (-1: padding), which are live, and the activation
-    row each reads: the pair's token in the gate/up GEMM (``GATED``), the aligned row in the down GEMM."""
+def _tile_setup(sorted_pairs_ptr, w_ptr, w_scale_ptr, block, tile_n, expert, n, top_k, stride_w_expert,
+                stride_scale_expert, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Aligned block ``block``'s rows, their pairs (-1: padding), which are live, the activation row
+    each reads (the pair's token in the gate/up GEMM, ``GATED``; the aligned row in the down GEMM),
+    column tile ``tile_n``'s columns and which are < n, and ``expert``'s weight and scale bases."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     live = pairs >= 0
@@ -140,7 +142,10 @@ def _block_rows(sorted_pairs_ptr, block, top_k, GATED: tl.constexpr, BLOCK_M: tl
         a_rows = tl.where(live, pairs // top_k, 0).to(tl.int64)
     else:
         a_rows = rows.to(tl.int64)
-    return rows, pairs, live, a_rows
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
+    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
+    return rows, pairs, live, a_rows, cols, cols < n, w_base, w_scale_base
 
 
 @triton.jit
@@ -189,11 +194,9 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:
         return
-    rows, pairs, live, a_rows = _block_rows(sorted_pairs_ptr, block, top_k, GATED, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
-    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
+    rows, pairs, live, a_rows, cols, col_ok, w_base, w_scale_base = _tile_setup(
+        sorted_pairs_ptr, w_ptr, w_scale_ptr, block, tile_n, expert, n, top_k, stride_w_expert, stride_scale_expert,
+        GATED, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
     for k0 in range(0, k, BLOCK_K):
