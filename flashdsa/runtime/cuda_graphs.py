@@ -26,6 +26,14 @@ waited for step n-1's tokens (queued after the copy from the other buffer) by th
 padding rows are rewritten only where a larger batch wrote over them since. The paged
 indexer scores ``max_model_len`` columns (fixed at
 capture); each row's top-k scans only its own context.
+
+Speculative graphs come in three sets a bucket: the forward (model at s_q = 2, logits and hidden
+states), the MTP layer's draft over its hidden states, and a verdict graph for an all-greedy
+step: the forward, the greedy verification and the MTP layer's draft in one graph
+(``speculative.pack_verdict``), its packed verdict written into ``source``. Async scheduling runs
+an all-greedy decode step as that one replay: no logits leave it, no kernel runs beside it, and
+the next step's graph reads the verdict in place. A step with a sampled request replays the
+forward and the draft graph around the host-driven verification.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.metadata import BatchMetadata, advance
+from flashdsa.runtime.speculative import pack_verdict
 from flashdsa.runtime.transfer import TokenFill, flags_at, gather_or_keep
 
 logger = logging.getLogger(__name__)
@@ -53,8 +62,9 @@ class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``caches`` for batches up to ``max_batch``.
 
     With ``speculative`` every sequence runs two tokens (its last one and the MTP layer's draft),
-    the forward also returns the hidden states, and a second graph per bucket runs the MTP layer
-    over them (:meth:`replay_draft`)."""
+    the forward also returns the hidden states, a second graph per bucket runs the MTP layer
+    over them (:meth:`replay_draft`) and a third verifies an all-greedy step and drafts the next
+    one in the same replay as its forward (:meth:`replay_verdict`)."""
 
     def __init__(self, model: torch.nn.Module, caches, max_batch: int, max_model_len: int, device: torch.device,
                  speculative: bool = False):
@@ -86,6 +96,7 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.draft_outputs: dict[int, torch.Tensor] = {}
+        self.verdict_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.buckets = batch_buckets(max_batch)
         self.batch = 0  # sequences of the last replay
 
@@ -116,10 +127,17 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.draft_outputs[batch] = self._draft_forward(batch)
                 self.draft_graphs[batch] = graph
+                self._verdict_forward(batch)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._verdict_forward(batch)
+                self.verdict_graphs[batch] = graph
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         logger.info("captured %d decode CUDA graphs (batch %s, %d tokens each%s) in %.1f s, %.2f GiB of graph memory",
-                    len(self.graphs), self.buckets, self.q, ", with the MTP layer" if self.speculative else "",
+                    len(self.graphs), self.buckets, self.q,
+                    ", with the MTP layer's and the greedy verdict's" if self.speculative else "",
                     time.perf_counter() - start, (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
     def replay(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill] = None):
@@ -127,6 +145,25 @@ class DecodeGraphs:
         a decode step whose host-side inputs are ``input_ids: [B * q]`` and ``meta`` (CPU tensors);
         the graph takes the ids and moves of ``fill`` from the device itself. Valid until the next
         replay."""
+        bucket = self._stage(input_ids, meta, fill)
+        self.graphs[bucket].replay()
+        n, out = self.batch * self.q, self.outputs[bucket]
+        return (out[0][:n], out[1][:n]) if self.speculative else out[:n]
+
+    def replay_verdict(self, input_ids: torch.Tensor, meta: BatchMetadata,
+                       fill: Optional[TokenFill] = None) -> torch.Tensor:
+        """The packed verdict (``speculative.DeviceVerdict.packed`` with the next step's input ids,
+        ``[5 * bucket]`` int64: the step's sequences' rows first, then the bucket's padding rows)
+        of an all-greedy speculative decode step given as to :meth:`replay`: its forward, greedy
+        verification and the MTP layer's next drafts in one replay, the verdict written into
+        ``source``, where the next step's graph reads it. Valid until the next replay."""
+        bucket = self._stage(input_ids, meta, fill)
+        self.verdict_graphs[bucket].replay()
+        return self.source[: 5 * bucket]
+
+    def _stage(self, input_ids: torch.Tensor, meta: BatchMetadata, fill: Optional[TokenFill]) -> int:
+        """Write a step's host-side inputs into the next staging buffer and queue their upload; the
+        bucket to replay."""
         batch = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= batch)
         self.staging = self.stagings[1] if self.staging is self.stagings[0] else self.stagings[0]
@@ -143,10 +180,8 @@ class DecodeGraphs:
         self._pad(batch)
         used = self.table_offset + bucket * self.max_blocks
         self.inputs[:used].copy_(s[:used], non_blocking=True)
-        self.graphs[bucket].replay()
         self.batch = batch
-        n, out = batch * self.q, self.outputs[bucket]
-        return (out[0][:n], out[1][:n]) if self.speculative else out[:n]
+        return bucket
 
     def _stage_fill(self, fill: Optional[TokenFill], batch: int) -> None:
         """Stage which input ids (``fill``) and accepted drafts (``moves``) the graph reads from
@@ -257,8 +292,22 @@ class DecodeGraphs:
 
     def _draft_forward(self, batch: int) -> torch.Tensor:
         """The MTP layer over the same tokens, from the captured forward's hidden states."""
+        return self._mtp(batch, self.outputs[batch][1], self._field("next_ids", batch * self.q),
+                         self._field("rows", batch))
+
+    def _mtp(self, batch: int, hidden: torch.Tensor, next_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's logits ``[batch, vocab]`` at flat tokens ``rows`` of the step the static
+        inputs hold (as it ran), from its hidden states; ``next_ids: [batch * q]`` the token after
+        each flat token."""
         meta = self._meta(batch)
-        meta.logits_indices = self._field("rows", batch)
+        meta.logits_indices = rows
         with trusted_values():
-            return self.model.mtp_forward(self._field("next_ids", batch * self.q), self.outputs[batch][1], meta,
-                                          self.caches)
+            return self.model.mtp_forward(next_ids, hidden, meta, self.caches)
+
+    def _verdict_forward(self, batch: int) -> None:
+        """The forward of an all-greedy step, its verification and the next drafts, the verdict
+        packed into ``source`` (``speculative.pack_verdict``)."""
+        logits, hidden = self._forward(batch)
+        drafts = self._field("ids", 2 * batch)[1::2]
+        pack_verdict(logits.argmax(dim=1), drafts, lambda next_ids, rows: self._mtp(batch, hidden, next_ids, rows),
+                     True, self.source[: 5 * batch])

@@ -148,7 +148,8 @@ class LLMEngine:
         sampled taken from the device; count its tokens as computed, its samples and drafts as pending.
         None (nothing counted) if the forward or the sampler raised: the step then runs synchronously."""
         try:
-            step_logits = self.runner.run(chunks, token_fill(chunks, previous))
+            greedy = self.speculation is not None and all(chunk.seq.params.greedy for chunk in chunks)
+            step_logits = self.runner.run(chunks, token_fill(chunks, previous), verify=greedy)
             if self.speculation:
                 in_flight = launch_verification(chunks, step_logits, self.runner)
             else:

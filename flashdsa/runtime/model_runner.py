@@ -28,12 +28,15 @@ class StepLogits:
 
     A chunk that samples has its sampling row last; a chunk that wants prompt logprobs has one
     row per token it ran (row j predicts the token after position chunk.start + j); a chunk with
-    a draft has two rows: its last token's, then the draft's.
+    a draft has two rows: its last token's, then the draft's. verdict: a speculative step that its
+    decode graph verified (``ModelRunner.run(..., verify=True)``): the packed verdict
+    (``DecodeGraphs.replay_verdict``); its logits are then None (they never left the graph).
     """
 
-    logits: torch.Tensor
+    logits: Optional[torch.Tensor]
     row_start: list[int]
     num_rows: list[int]
+    verdict: Optional[torch.Tensor] = None
 
     def sampling_row(self, i: int, chunk: ScheduledChunk) -> int:
         """The row of chunk i's last token, which its next token is sampled from (a draft's row follows it)."""
@@ -101,17 +104,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.caches, max_num_seqs, max_model_len, device, speculative)
             self.graphs.capture()
 
-    def run(self, chunks: list[ScheduledChunk], fill: Optional[TokenFill] = None) -> StepLogits:
+    def run(self, chunks: list[ScheduledChunk], fill: Optional[TokenFill] = None, verify: bool = False) -> StepLogits:
         """Run the scheduled chunks; ``fill`` writes the input ids only the device has (one rank
-        only) and, behind a speculative step, says which sequences the device moves one position on."""
+        only) and, behind a speculative step, says which sequences the device moves one position on.
+        ``verify``: the step is a speculative decode step of greedy requests only, which a decode
+        graph, where one runs it, verifies and drafts in the same replay (``StepLogits.verdict``)."""
         input_ids, meta, row_start, num_rows = build_metadata(chunks)
         if fill is not None and fill.moves is not None:
             meta = meta.with_room([m >= 0 for m in fill.moves])
         decode = _is_decode(chunks, self.speculative)
         self._copy_states([(c.restore_from, c.seq.state_slot) for c in chunks if c.restore_from >= 0])
-        logits = self.forward(input_ids, meta, decode, fill)
+        if verify and self._graphed(decode, meta):  # nothing is left for :meth:`draft`
+            self.last = None
+            logits, verdict = None, self.graphs.replay_verdict(input_ids, meta, fill)
+        else:
+            logits, verdict = self.forward(input_ids, meta, decode, fill), None
         self._copy_states([(c.seq.state_slot, c.snapshot_to) for c in chunks if c.snapshot_to >= 0])
-        return StepLogits(logits, row_start, num_rows)
+        return StepLogits(logits, row_start, num_rows, verdict)
+
+    def _graphed(self, decode: bool, meta: BatchMetadata) -> bool:
+        """Whether a step (``decode``: a decode step) replays a decode graph."""
+        return self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state slots ``(source, destination)`` (prefix-cache snapshots), in stream order."""
@@ -133,7 +146,7 @@ class ModelRunner:
         takes the ids and moves only the device knows (inside the graph when one runs). The inputs
         go up without a host sync, so this only queues work on CUDA."""
         self.last = None
-        graph = self.graphs is not None and decode and self.graphs.can_run(meta.num_seqs, meta.max_context_len)
+        graph = self._graphed(decode, meta)
         if graph:
             logits = self.graphs.replay(input_ids, meta, fill)
             input_ids = self.graphs.input_ids(input_ids.numel())

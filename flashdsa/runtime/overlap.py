@@ -23,7 +23,9 @@ rejected and reserves the blocks for it accepted (``ScheduledChunk.pending_draft
 device moves each sequence whose draft step n accepted one position on before the forward
 (``metadata.advance``: positions, slots from the block table, context lengths); that flag, the
 last token and the draft come from step n's verdict on the device (``TokenFill``: inside the CUDA
-graph on the graph path, which stages only their indices). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
+graph on the graph path, which stages only their indices). On the graph path a step of greedy
+requests only is verified and drafted inside its own graph too (``DecodeGraphs.replay_verdict``:
+one replay a step). Reading step n back commits its 1 or 2 tokens, counts the draft and sets
 the next one. A sequence whose second token in flight might reach max_tokens waits for that
 read-back instead of running past it. The blocks reserved for an accepted draft that was rejected
 stay with the sequence, which fills them next (or frees them when it finishes).
@@ -55,7 +57,7 @@ import torch
 from flashdsa.runtime.sampler import as_token_logprobs, logprob_tensors, penalised, sample
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import TokenLogprobs
-from flashdsa.runtime.speculative import DeviceVerdict, verifiable_on_device, verify_on_device
+from flashdsa.runtime.speculative import DeviceVerdict, device_verdict, verifiable_on_device, verify_on_device
 from flashdsa.runtime.transfer import HostCopy, TokenFill, tensor_on
 
 if TYPE_CHECKING:
@@ -85,8 +87,9 @@ class InFlightStep:
 
     chunks: the chunks that sample, R of them; rows: id(seq) -> its row; tokens: (device) int64
     the token each row sampled ``[R]``, or a speculative step's packed verdict
-    (``DeviceVerdict.packed``, ``[5R]``: row i's last new token at 3R + i, its next draft at
-    4R + i, whether its draft held at 2R + i); logprob_rows / num_top: the rows that asked for logprobs and how
+    (``DeviceVerdict.packed``, ``[5N]``, N = ``verdict.rows`` >= R, a decode graph's bucket where
+    the graph verified the step: row i's last new token at 3N + i, its next draft at 4N + i,
+    whether its draft held at 2N + i); logprob_rows / num_top: the rows that asked for logprobs and how
     many alternatives each; copy: tokens, then the logprob tensors, to the host; verdict: a
     speculative step's verification (its own copy)."""
 
@@ -134,8 +137,12 @@ def launch_sampling(chunks: list[ScheduledChunk], step_logits: "StepLogits") -> 
 
 def launch_verification(chunks: list[ScheduledChunk], step_logits: "StepLogits", runner: "ModelRunner") -> InFlightStep:
     """Verify a speculative decode step (``verifiable_on_device``) and draft the next one on the
-    device, and queue the copy of the outcome to the host; nothing waits for the GPU."""
-    verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks], with_tokens=True)
+    device, and queue the copy of the outcome to the host; nothing waits for the GPU. A step its
+    decode graph verified already (``StepLogits.verdict``) only queues the copy."""
+    if step_logits.verdict is not None:
+        verdict = device_verdict(step_logits.verdict)
+    else:
+        verdict = verify_on_device(runner, step_logits.logits, [chunk.seq for chunk in chunks], with_tokens=True)
     return InFlightStep(chunks, {id(chunk.seq): j for j, chunk in enumerate(chunks)}, verdict.packed, [], [],
                         verdict.copy, verdict)
 
@@ -147,8 +154,8 @@ def token_fill(chunks: list[ScheduledChunk], previous: Optional[InFlightStep]) -
     comes from the device)."""
     if previous is None:
         return None
-    n = len(previous.chunks)  # where each row's values lie in ``previous.tokens``
-    last, draft, held = (3 * n, 4 * n, 2 * n) if previous.verdict is not None else (0, 0, 0)
+    n = previous.verdict.rows if previous.verdict is not None else 0  # where each row's values lie in ``previous.tokens``
+    last, draft, held = 3 * n, 4 * n, 2 * n
     ids: list[int] = []
     moves: list[int] = []
     for chunk in chunks:

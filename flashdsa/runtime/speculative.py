@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -157,32 +157,54 @@ def verifiable_on_device(chunks: list[ScheduledChunk]) -> bool:
 class DeviceVerdict:
     """A decode step verified and drafted on the device, its copy to the host under way.
 
-    picks: [2N] int64, each chunk's t_n, then the t_{n+1} it keeps should its draft hold (argmaxes
-    for greedy requests, draws for sampled ones); accepted: [N] bool, whose draft held; drafts:
-    [N] int64, the MTP layer's next draft of each; packed: int64, what the copy reads:
-    ``[picks (2N) | accepted (N) | last (N) | drafts (N)]``, the ``last`` part only when asked
-    for by an overlapped step (each chunk's last new token: t_{n+1} where its draft held, else t_n);
-    so chunk i's last new token is at ``3N + i``, its next draft at ``4N + i`` and whether its
-    draft held at ``2N + i``, the next step's device inputs (``TokenFill``)."""
+    packed: int64, what the copy reads, for N rows: ``[picks (2N) | accepted (N) | last (N) |
+    drafts (N)]`` (``pack_verdict``), the ``last`` part only when asked for by an overlapped step;
+    so row i's last new token is at ``3N + i``, its next draft at ``4N + i`` and whether its draft
+    held at ``2N + i``, the next step's device inputs (``TokenFill``). rows: N, the step's chunks
+    first; a verdict made inside a CUDA graph has its bucket's rows, padding after the chunks."""
 
-    picks: torch.Tensor
-    accepted: torch.Tensor
-    drafts: torch.Tensor
-    copy: HostCopy
     packed: torch.Tensor
+    copy: HostCopy
+    rows: int
+
+    @property
+    def picks(self) -> torch.Tensor:
+        """[2N] each row's t_n, then the t_{n+1} it keeps should its draft hold."""
+        return self.packed[: 2 * self.rows]
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        """[N] bool, whose draft held."""
+        return self.packed[2 * self.rows : 3 * self.rows].bool()
 
     @property
     def tokens(self) -> Optional[torch.Tensor]:
-        """[2N] int64 each chunk's last new token, then its next draft (None unless asked for)."""
-        n = self.accepted.numel()
+        """[2N] int64 each row's last new token, then its next draft (None unless asked for)."""
+        n = self.rows
         return self.packed[3 * n :] if self.packed.numel() == 5 * n else None
 
     @cached_property
     def outcome(self) -> tuple[list[list[int]], list[int]]:
-        """Each chunk's new tokens (1, or 2 where its draft held) and its next draft; waits for the copy."""
+        """Each row's new tokens (1, or 2 where its draft held) and its next draft; waits for the copy."""
         values = self.copy.wait()[0].tolist()
-        n = self.accepted.numel()
+        n = self.rows
         return [values[2 * i : 2 * i + 1 + values[2 * n + i]] for i in range(n)], values[len(values) - n :]
+
+
+def pack_verdict(picks: torch.Tensor, drafts: torch.Tensor, mtp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 with_tokens: bool, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The packed verdict (``DeviceVerdict.packed``) of a step whose N sequences each ran [t, d]:
+    ``picks: [2N]`` int64 each one's t_n and the t_{n+1} it keeps should its draft hold, ``drafts:
+    [N]`` the drafts it ran, ``mtp(next_ids, rows)`` the MTP layer's logits ``[N, vocab]`` (the
+    token after each flat token, the flat token each sequence drafts from). A draft holds when
+    d = t_n; the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if the draft held);
+    each sequence drafts from its last committed token, flat token ``2i + held``. Device ops only,
+    no host sync: a CUDA graph captures it (``DecodeGraphs.replay_verdict``)."""
+    accepted = picks[0::2] == drafts
+    rows = torch.arange(accepted.numel(), device=picks.device) * 2 + accepted
+    next_drafts = mtp(picks, rows).argmax(dim=1)
+    last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is row i's last new one
+    return torch.cat([picks, accepted.long(), *last, next_drafts], out=out)
 
 
 def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Sequence],
@@ -191,12 +213,13 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     t_1, d_1, ...] and logits rows in the same order. Greedy: t_n = argmax of a chunk's first row,
     t_{n+1} = argmax of its second. Sampled: t_n by rejection sampling of the draft (module
     docstring), t_{n+1} drawn from the second row whatever the outcome (kept only if the draft
-    holds: the draw does not bias which). A draft holds when d = t_n. The MTP layer's next draft is
-    drafted from the same device tensors (its inputs never visit the host), so the step reads the
+    holds: the draw does not bias which). The MTP layer's next draft is drafted from the same
+    device tensors (``pack_verdict``: its inputs never visit the host), so the step reads the
     device once instead of four times. ``with_tokens`` (async scheduling) also packs the next
     step's input ids (one gather into the copy's buffer). The buffer is the runner's
     ``verdict_buffer`` where it has one (a CUDA graph of the next step reads it in place), else a
-    new tensor. Nothing here waits for the GPU."""
+    new tensor. Nothing here waits for the GPU. (An all-greedy step the decode graphs run does all
+    of this inside their graph instead: ``ModelRunner.run(..., verify=True)``.)"""
     picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -207,15 +230,15 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
         first = accept_or_resample(sampling_probs(pairs[:, 0], sub), drafts.index_select(0, rows), sub)
         second = draw(sampling_probs(pairs[:, 1], sub), sub)
         picks.view(-1, 2).index_copy_(0, rows, torch.stack([first, second], dim=1))
-    accepted = picks[0::2] == drafts
-    # MTP inputs: the token after flat token 2i is t_n, after 2i + 1 it is t_{n+1} (if accepted);
-    # each sequence drafts from its last committed token.
-    rows = torch.arange(accepted.numel(), device=logits.device) * 2 + accepted
-    next_drafts = runner.draft(picks, rows).argmax(dim=1)
-    last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is chunk i's last new one
-    size = (5 if with_tokens else 4) * accepted.numel()
-    packed = torch.cat([picks, accepted.long(), *last, next_drafts], out=runner.verdict_buffer(size))
-    return DeviceVerdict(picks, accepted, next_drafts, HostCopy([packed]), packed)
+    n = len(seqs)
+    packed = pack_verdict(picks, drafts, runner.draft, with_tokens, runner.verdict_buffer((5 if with_tokens else 4) * n))
+    return DeviceVerdict(packed, HostCopy([packed]), n)
+
+
+def device_verdict(packed: torch.Tensor) -> DeviceVerdict:
+    """The verdict a decode graph packed (``with_tokens``: ``[5N]``, its bucket's N rows), its copy
+    to the host queued."""
+    return DeviceVerdict(packed, HostCopy([packed]), packed.numel() // 5)
 
 
 class Speculation:

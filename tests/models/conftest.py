@@ -43,7 +43,7 @@ def steps_without_syncs(monkeypatch):
         synchronize = torch.cuda.Event.synchronize
         monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: waits.append(1) or synchronize(event))
         graphs = engine.runner.graphs
-        for name in ("replay", "replay_draft"):
+        for name in ("replay", "replay_draft", "replay_verdict"):
             replay = getattr(graphs, name)
             monkeypatch.setattr(graphs, name, lambda *a, replay=replay, name=name: replays.append(name) or replay(*a))
         torch.cuda.synchronize()

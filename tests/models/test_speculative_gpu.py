@@ -33,7 +33,8 @@ def test_greedy_tokens_are_identical_with_speculation_eager_and_graphed(tmp_path
         tokens[spec, eager, overlapped] = [r.outputs[0].token_ids for r in outs]
         if spec:
             assert llm.engine.num_draft_tokens > 0 and llm.engine.block_manager.num_used_blocks == 0
-            assert bool(llm.engine.runner.graphs and llm.engine.runner.graphs.draft_graphs) == (not eager)
+            graphs = llm.engine.runner.graphs
+            assert bool(graphs and graphs.draft_graphs and graphs.verdict_graphs) == (not eager)
     for key, found in tokens.items():
         assert found == tokens[0, False, False], key
 
@@ -74,8 +75,9 @@ def test_overlapped_speculation_on_the_default_model_gives_the_synchronous_token
 
 @pytest.mark.gpu
 def test_an_overlapped_speculative_decode_step_waits_for_the_gpu_once(steps_without_syncs):
-    """Exactly one wait (for the tokens and drafts of the step before) and one replay of each
-    graph (the model at s_q = 2, then the MTP layer) per step, both outcomes of drafts occurring."""
+    """Exactly one wait (for the tokens and drafts of the step before) and one graph replay (the
+    model at s_q = 2, the greedy verification and the MTP layer's drafts in one graph) per step,
+    both outcomes of drafts occurring."""
     from flashdsa.defaults import DEFAULT_MODEL
 
     engine = LLM(DEFAULT_MODEL, device="cuda", max_num_seqs=8, max_model_len=512, speculative_tokens=1,
@@ -86,7 +88,7 @@ def test_an_overlapped_speculative_decode_step_waits_for_the_gpu_once(steps_with
     for _ in range(4):  # the prefill (synchronous with speculation) and the first overlapped steps
         engine.step()
     outputs, waits, replays = steps_without_syncs(engine, 10)
-    assert waits == 10 and replays == ["replay", "replay_draft"] * 10
+    assert waits == 10 and replays == ["replay_verdict"] * 10
     assert all(len(step) == 5 and all(len(o.new_token_ids) in (1, 2) for o in step) for step in outputs)
     assert any(len(o.new_token_ids) == 2 for step in outputs for o in step)  # accepted drafts ran behind
 

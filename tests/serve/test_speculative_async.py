@@ -300,7 +300,8 @@ def test_decode_graph_moves_accepted_sequences_inside_the_graph(monkeypatch):
 
 def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
     """Give ``engine``'s runner decode graphs whose "replay" runs the captured forward eagerly (the
-    CPU has no CUDA graphs): their static inputs, staging and in-graph variant pick run as on a GPU."""
+    CPU has no CUDA graphs): their static inputs, staging, in-graph variant pick and greedy verdict
+    run as on a GPU."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # the CPU build cannot pin
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.caches, engine.config.max_num_seqs, engine.max_model_len,
@@ -311,28 +312,62 @@ def _with_eager_graphs(engine: LLMEngine, monkeypatch) -> DecodeGraphs:
         graphs.graphs[b] = SimpleNamespace(replay=lambda b=b: graphs.outputs.__setitem__(b, graphs._forward(b)))
         graphs.draft_graphs[b] = SimpleNamespace(
             replay=lambda b=b: graphs.draft_outputs.__setitem__(b, graphs._draft_forward(b)))
+        # captured under inference mode on a GPU, replayed outside it
+        graphs.verdict_graphs[b] = SimpleNamespace(replay=torch.inference_mode()(lambda b=b: graphs._verdict_forward(b)))
     runner.graphs = graphs
     return graphs
 
 
+def _count_replays(graphs: DecodeGraphs, monkeypatch) -> dict[str, list[bool]]:
+    """Per replay method of ``graphs`` (forward, draft, greedy verdict): for each call, whether it
+    took a fill with moves (a step behind a speculative one, both variants staged)."""
+    calls = {name: [] for name in ("replay", "replay_draft", "replay_verdict")}
+    for name, seen in calls.items():
+        method = getattr(graphs, name)
+        monkeypatch.setattr(graphs, name, lambda *a, method=method, seen=seen: seen.append(
+            len(a) > 2 and a[2] is not None and a[2].moves is not None) or method(*a))
+    return calls
+
+
 def test_decode_graph_inputs_pick_each_sequences_variant(default_model, monkeypatch):
     """The CUDA-graph path's static buffer (both variants in one upload, the pick inside the
-    graph, padding rows), replayed eagerly: the tokens of plain decoding, the synchronous counts."""
+    graph, padding rows), replayed eagerly: the tokens of plain decoding, the synchronous counts.
+    Overlapped greedy decode steps are one replay each of the verdict graph (forward, verification
+    and next drafts), never of the forward or the draft graph; synchronous ones replay the forward
+    and the draft graph."""
     requests = _requests(default_model[1])
     want = run_engine(_engine(default_model, "plain"), requests)
-    counts = {}
+    counts, replays = {}, {}
     for setting in ("speculative", "speculative+async"):
         engine = _engine(default_model, setting)
-        graphs = _with_eager_graphs(engine, monkeypatch)
-        replays, replay = [], graphs.replay
-        monkeypatch.setattr(graphs, "replay",
-                            lambda *a: replays.append(len(a) > 2 and a[2] is not None and a[2].moves is not None)
-                            or replay(*a))
+        replays[setting] = _count_replays(_with_eager_graphs(engine, monkeypatch), monkeypatch)
         assert run_engine(engine, requests) == want, setting
-        counts[setting] = (engine.num_draft_tokens, engine.num_accepted_tokens, len(replays))
+        counts[setting] = (engine.num_draft_tokens, engine.num_accepted_tokens)
         assert engine.block_manager.num_used_blocks == 0
-    assert counts["speculative+async"] == counts["speculative"] and counts["speculative"][2] > 10
-    assert sum(replays) > 10  # overlapped replays with both variants
+    assert counts["speculative+async"] == counts["speculative"]
+    sync, overlapped = replays["speculative"], replays["speculative+async"]
+    assert len(sync["replay"]) > 10 and len(sync["replay_draft"]) == len(sync["replay"]) and not sync["replay_verdict"]
+    assert sum(overlapped["replay_verdict"]) > 10  # overlapped verdict replays with both variants
+    assert len(overlapped["replay_draft"]) == len(overlapped["replay"]) < len(overlapped["replay_verdict"]) / 4
+
+
+def test_decode_graphs_overlap_a_sampled_request_beside_greedy_ones(default_model, monkeypatch):
+    """An unseeded sampled request among greedy ones, overlapped through the decode graphs (replayed
+    eagerly): while it runs, steps replay the forward and the draft graph around the host-driven
+    verification, after it the verdict graph alone; the greedy requests' tokens are plain
+    decoding's and the sampled one ends at its max_tokens."""
+    requests = _requests(default_model[1])
+    sampled = (0, "sampled", requests[0][2][:50], SamplingParams(max_tokens=25, temperature=0.8, top_k=40,
+                                                                 ignore_eos=True))
+    want = run_engine(_engine(default_model, "plain"), requests)
+    engine = _engine(default_model, "speculative+async")
+    replays = _count_replays(_with_eager_graphs(engine, monkeypatch), monkeypatch)
+    torch.manual_seed(0)  # the sampled request's draws (unseeded: the global generator), so its length in steps
+    got = run_engine(engine, requests + [sampled])
+    assert len(got.pop("sampled")["tokens"]) == 25 and got == want
+    assert sum(replays["replay"]) > 5 and sum(replays["replay_verdict"]) > 0, replays
+    assert len(replays["replay_draft"]) >= sum(replays["replay"])
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_decode_graph_takes_a_plain_steps_sampled_tokens_from_its_source(default_model, monkeypatch):
