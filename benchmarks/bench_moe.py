@@ -2,7 +2,7 @@
 DeepSeek-V4-Flash's (E=256, top-6, H=4096, I=2048).
 
 V3.2: for T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2
-activation scales); V4-Flash: for T in {1, 4, 32, 128}, bf16, FP8 and FP4 (the release's packed e2m1
+activation scales); V4-Flash: for T in {1, 32, 128}, bf16, FP8 and FP4 (the release's packed e2m1
 with a UE8M0 scale per 32 inputs, bf16 activations); routed by select_experts on random logits:
 - decode (T <= 128): device time of one call replayed from a CUDA graph (as decode runs it),
   and the bytes of the experts the batch chose (w13 + w2 + scales of each distinct expert) over
@@ -14,10 +14,6 @@ with a UE8M0 scale per 32 inputs, bf16 activations); routed by select_experts on
 ``--sweep`` times each grouped GEMM alone for every candidate block_m and tile at each (T, dtype)
 and reports the best against the current heuristic (ratio < 1: the candidate is faster), logging
 each best as a ``MoeConfig``, so one GPU run fixes ``flashdsa.runtime.moe.triton.fused_moe.HEURISTIC``.
-With FP4 weights it also times the CUDA-core decode GEMM's candidates (``fp4_gemv.CANDIDATES``, blocks
-of 1-4 rows) the same way, then the whole call (alignment, both GEMMs, combine) from a CUDA graph
-for the heuristic, the best grouped and the best decode-GEMM config; at decode every sweep row gives
-the chosen experts' bytes over its time (GB/s) against the copy rate.
 
     python3 benchmarks/bench_moe.py [--sweep] [--dtype bf16|fp8|fp4|all] [--shape v32|v4|both] [--output BENCHMARKS.md]
 """
@@ -37,9 +33,8 @@ from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import quantize_activations
 from flashdsa.runtime.moe import max_blocks, select_experts
 from flashdsa.runtime.moe.triton import align, fused_moe
-from flashdsa.runtime.moe.triton.fp4_gemv import CANDIDATES as GEMV_TILES
-from flashdsa.runtime.moe.triton.fused_moe import MoeConfig, expert_gemm
-from flashdsa.runtime.moe.triton.grouped_gemm import Tile
+from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
+from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
 
 log = logging.getLogger("bench_moe")
 
@@ -61,13 +56,12 @@ class Shape:
 
 
 V32 = Shape("V3.2", 256, 8, 7168, 2048, (1, 32, 128, 4096), 8, 4, ("bf16", "fp8"))
-V4_FLASH = Shape("V4-Flash", 256, 6, 4096, 2048, (1, 4, 32, 128), 1, 1, ("bf16", "fp8", "fp4"))
+V4_FLASH = Shape("V4-Flash", 256, 6, 4096, 2048, (1, 32, 128), 1, 1, ("bf16", "fp8", "fp4"))
 SHAPES = {"v32": (V32,), "v4": (V4_FLASH,), "both": (V32, V4_FLASH)}
 SCALING = 2.5
 DECODE_MAX = 128
 INPUT_SETS = 4
-SWEEP_BLOCK_M = {1: (16,), 4: (16,), 32: (16, 32), 128: (16, 32, 64), 4096: (32, 64, 128)}
-GEMV_BLOCK_M = {1: (1,), 4: (1,), 32: (1, 2), 128: (2, 4)}  # the FP4 decode GEMM's rows per block
+SWEEP_BLOCK_M = {1: (16,), 32: (16, 32), 128: (16, 32, 64), 4096: (32, 64, 128)}
 # Candidate tiles (block_n, block_k, warps, stages) for block_m <= 32 (decode) and above.
 SMALL_TILES = [Tile(32, 128, 4, 4), Tile(64, 128, 4, 4), Tile(64, 64, 4, 4), Tile(128, 64, 4, 4), Tile(64, 128, 4, 5),
                Tile(64, 128, 4, 3), Tile(128, 128, 4, 3), Tile(64, 128, 8, 4), Tile(32, 256, 4, 3), Tile(16, 256, 4, 4),
@@ -192,10 +186,10 @@ def gemm_times(shape: Shape, block_m: int, tiles: dict[str, list[Tile]], inputs:
     h = torch.randn(blocks * block_m, shape.inter, device=device, dtype=torch.bfloat16)
     h_in, h_scale = quantize_activations(h, pow2_scales=True) if fp8 else (h, None)
     pair_out = torch.empty(tokens * k, shape.hidden, device=device, dtype=torch.bfloat16)
-    gemms = {"gate_up": lambda tile: expert_gemm(a, a_scale, experts["w13"], experts.get("w13_scale"), h, aligned,
-                                                 k, tile, gated=True),
-             "down": lambda tile: expert_gemm(h_in, h_scale, experts["w2"], experts.get("w2_scale"), pair_out, aligned,
-                                              k, tile, gated=False, route_weights=weights)}
+    gemms = {"gate_up": lambda tile: grouped_gemm(a, a_scale, experts["w13"], experts.get("w13_scale"), h, aligned,
+                                                  k, tile, gated=True),
+             "down": lambda tile: grouped_gemm(h_in, h_scale, experts["w2"], experts.get("w2_scale"), pair_out, aligned,
+                                               k, tile, gated=False, route_weights=weights)}
     results = {}
     for name, gemm in gemms.items():
         results[name] = []
@@ -213,25 +207,18 @@ def _fits(fmt: str, tile: Tile) -> bool:
     return {"fp8": 128 % tile.block_k == 0, "fp4": tile.block_k % FP4_GROUP == 0}.get(fmt, True)
 
 
-def sweep(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) -> list[Row]:
-    """Per T and candidate block_m: the fastest tile of each GEMM, against the heuristic; with FP4
-    weights the decode GEMM's candidates too, then the whole call for the best configs."""
+def sweep(shape: Shape, fmt: str, experts: dict, device) -> list[Row]:
+    """Per T and candidate block_m: the fastest tile of each GEMM, against the current heuristic."""
     rows = []
     label = f"{shape.name} {fmt}"
     for tokens in shape.tokens:
-        sets = routed_inputs(shape, tokens, device)
-        inputs = sets[0]
-        chosen_bytes = int(torch.unique(inputs["expert_ids"]).numel()) * expert_bytes(experts)
+        inputs = routed_inputs(shape, tokens, device)[0]
         current = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
         align_ms, now = gemm_times(shape, current.block_m, {"gate_up": [current.gate_up], "down": [current.down]},
                                    inputs, experts, fmt)
         heuristic_ms = align_ms + now["gate_up"][0][0] + now["down"][0][0]
-        searches = [(block_m, [t for t in (SMALL_TILES if block_m <= 32 else LARGE_TILES) if _fits(fmt, t)], "grouped")
-                    for block_m in SWEEP_BLOCK_M[tokens]]
-        if fmt == "fp4" and tokens in GEMV_BLOCK_M:
-            searches += [(block_m, list(GEMV_TILES), "decode GEMM") for block_m in GEMV_BLOCK_M[tokens]]
-        best_configs = {}
-        for block_m, candidates, path in searches:
+        for block_m in SWEEP_BLOCK_M[tokens]:
+            candidates = [t for t in (SMALL_TILES if block_m <= 32 else LARGE_TILES) if _fits(fmt, t)]
             align_ms, best = gemm_times(shape, block_m, {"gate_up": candidates, "down": candidates}, inputs, experts,
                                         fmt)
             if not best["gate_up"] or not best["down"]:
@@ -239,42 +226,11 @@ def sweep(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) -> lis
             total = align_ms + best["gate_up"][0][0] + best["down"][0][0]
             note = "; ".join(f"{name}: " + ", ".join(f"{_tile(t)} {ms:.3f}" for ms, t in times[:3])
                              for name, times in best.items())
-            rows.append(_sweep_row(f"sweep {label} {path}", tokens, block_m, total, heuristic_ms, chosen_bytes,
-                                   copy_gbs, f"align {align_ms:.3f} ms; {note}"))
-            config = MoeConfig(block_m, best["gate_up"][0][1], best["down"][0][1])
-            log.info("best %s %s T=%d: %s", label, path, tokens, config)
-            if total < best_configs.get(path, (float("inf"),))[0]:
-                best_configs[path] = (total, config)
-        if tokens <= DECODE_MAX and fmt == "fp4":
-            rows += whole_calls(shape, fmt, experts, sets, current, best_configs, copy_gbs)
+            rows.append(Row(f"sweep {label}", f"T={tokens} block_m={block_m}", total, total * 1e3, "us",
+                            heuristic_ms * 1e3, f"align {align_ms:.3f} ms; {note}; target: the heuristic's time"))
+            log.info("best %s T=%d: %s", label, tokens,
+                     MoeConfig(block_m, best["gate_up"][0][1], best["down"][0][1]))
     return rows
-
-
-def whole_calls(shape: Shape, fmt: str, experts: dict, sets: list[dict], current: MoeConfig,
-                best_configs: dict[str, tuple[float, MoeConfig]], copy_gbs: float) -> list[Row]:
-    """fused_moe replayed from a CUDA graph (cycling the input sets: weights from memory, not L2)
-    with the heuristic's config and the best of each path: GB/s of the chosen experts' bytes."""
-    tokens = sets[0]["x"].shape[0]
-    chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
-    rows = []
-    for path, config in [("heuristic", current)] + [(path, c) for path, (_, c) in sorted(best_configs.items())]:
-        ms = graph_ms([moe_call(s, experts, fmt, config) for s in sets])
-        rows.append(Row(f"fused_moe {shape.name} {fmt} {path}, CUDA graph", f"T={tokens}", ms,
-                        chosen * expert_bytes(experts) / ms / 1e6, "GB/s", copy_gbs,
-                        f"{chosen:.0f} experts chosen; {config}; target: the copy rate"))
-    return rows
-
-
-def _sweep_row(kernel: str, tokens: int, block_m: int, ms: float, heuristic_ms: float, chosen_bytes: int,
-               copy_gbs: float, note: str) -> Row:
-    """A sweep result: at decode the chosen experts' bytes over the time against the copy rate (the
-    GEMMs timed alone, back to back: the weights of small batches partly from L2), else microseconds
-    against the heuristic's."""
-    note = f"{note}; {ms / heuristic_ms:.2f}x the heuristic's {heuristic_ms * 1e3:.1f} us"
-    shape = f"T={tokens} block_m={block_m}"
-    if tokens <= DECODE_MAX:
-        return Row(kernel, shape, ms, chosen_bytes / ms / 1e6, "GB/s", copy_gbs, note + "; target: the copy rate")
-    return Row(kernel, shape, ms, ms * 1e3, "us", heuristic_ms * 1e3, note + "; target: the heuristic's time")
 
 
 def _tile(t: Tile) -> str:
@@ -297,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape, fmt in tqdm(runs, desc="shapes and dtypes"):
         experts = make_experts(shape, fmt, device)
         if args.sweep:
-            rows += sweep(shape, fmt, experts, copy_gbs, device)
+            rows += sweep(shape, fmt, experts, device)
         else:
             fused_rows, times = bench_fused(shape, fmt, experts, copy_gbs, device)
             rows += fused_rows

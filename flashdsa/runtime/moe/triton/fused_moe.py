@@ -12,17 +12,14 @@ Past ``CHUNK_TOKENS`` tokens the call runs chunk by chunk, so its buffers stay b
 The launch shape comes from :func:`choose_config`, by the mean number of pairs per expert: at
 decode (a few pairs per expert) the GEMMs stream each chosen expert's weights once, 16-row
 blocks and narrow column tiles spreading them over many programs; at prefill bigger tiles reuse
-them. FP4 weights at decode (a :class:`GemvTile` in the config) take the CUDA-core decode GEMM
-(``fp4_gemv``: 1-row blocks, no tensor-core padding) in place of the grouped GEMM, on the same
-aligned layout, buffers and combine. ``benchmarks/bench_moe.py --sweep`` measures the candidates
-that fix this table.
+them. ``benchmarks/bench_moe.py --sweep`` measures the candidates that fix this table.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import triton
@@ -31,7 +28,6 @@ import triton.language as tl
 from flashdsa.runtime.gemm import quantize_activations
 from flashdsa.runtime.moe.alignment import max_blocks
 from flashdsa.runtime.moe.triton.align import align_tokens
-from flashdsa.runtime.moe.triton.fp4_gemv import GemvTile, fp4_gemv
 from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
 
 COMBINE_BLOCK = 1024  # hidden columns per combine program
@@ -40,28 +36,25 @@ CHUNK_TOKENS = 8192  # tokens per pass: bounds the pair outputs [T*k, H] (940 MB
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Rows per aligned block (a power of two; >= 16 for the grouped GEMM's tensor-core tiles) and
-    the two GEMMs' launch shapes: a :class:`Tile` runs the grouped GEMM, a :class:`GemvTile` (FP4
-    weights only) the decode GEMM."""
+    """Rows per aligned block (a power of two >= 16) and the two GEMMs' tiles."""
 
     block_m: int
-    gate_up: Union[Tile, GemvTile]
-    down: Union[Tile, GemvTile]
+    gate_up: Tile
+    down: Tile
 
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")  # the expert weights' storage, the HEURISTIC's columns
 
 # (largest mean pairs per expert, bf16 config, FP8 config, FP4 config): the first row whose bound
 # holds. FP8 tiles keep block_k dividing 128 (one scale per step), FP4 tiles a multiple of 32 (whole
-# scale groups). The FP4 row for <= 2 pairs an expert (V4-Flash decode up to T = 85) is the CUDA-core
-# decode GEMM, its 1-row blocks and tiles written without a GPU run; the FP4 row for <= 16 is the
-# fastest tl.dot_scaled tile of `bench_moe.py --sweep --shape v4 --dtype fp4` on an H200 (session 7,
-# T = 128); the other rows were written without a GPU run (each fits Hopper's shared memory with
+# scale groups). The FP4 decode rows (<= 16 pairs an expert) are the fastest of
+# `bench_moe.py --sweep --shape v4 --dtype fp4` on an H200 (session 7, the tl.dot_scaled path, T = 1,
+# 32, 128); the other rows were written without a GPU run (each fits Hopper's shared memory with
 # its pipeline stages): `bench_moe.py --sweep` is what fixes them.
 HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig, MoeConfig], ...] = (
     (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
-     MoeConfig(1, GemvTile(16, 512, 4, 2), GemvTile(16, 512, 4, 2))),
+     MoeConfig(16, Tile(64, 128, 4, 3), Tile(64, 128, 4, 5))),
     (16, MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 64, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 64, 4, 4), Tile(64, 128, 4, 4))),
@@ -121,16 +114,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     return out
 
 
-def expert_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: Optional[torch.Tensor],
-                out: torch.Tensor, aligned, top_k: int, tile: Union[Tile, GemvTile], **epilogue) -> None:
-    """One of the two expert GEMMs with launch shape ``tile``: the FP4 decode GEMM for a
-    :class:`GemvTile` (``a_scale`` is None: FP4 multiplies bf16 activations), else the grouped GEMM."""
-    if isinstance(tile, GemvTile):
-        fp4_gemv(a, w, w_scale, out, aligned, top_k, tile, **epilogue)
-    else:
-        grouped_gemm(a, a_scale, w, w_scale, out, aligned, top_k, tile, **epilogue)
-
-
 def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     expert_ids: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
                     pow2_scales: bool, out: torch.Tensor, config: Optional[MoeConfig],
@@ -146,10 +129,11 @@ def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     aligned = align_tokens(expert_ids, num_experts, config.block_m, num_blocks)
     a, a_scale = quantize_activations(x, pow2_scales=pow2_scales) if fp8 else (x, None)
     h = torch.empty(num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)  # aligned rows
-    expert_gemm(a, a_scale, w13, w13_scale, h, aligned, top_k, config.gate_up, gated=True, swiglu_limit=swiglu_limit)
+    grouped_gemm(a, a_scale, w13, w13_scale, h, aligned, top_k, config.gate_up, gated=True,
+                 swiglu_limit=swiglu_limit)
     h, h_scale = quantize_activations(h, pow2_scales=pow2_scales) if fp8 else (h, None)
     pair_out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    expert_gemm(h, h_scale, w2, w2_scale, pair_out, aligned, top_k, config.down, gated=False,
-                route_weights=weights.view(-1))
+    grouped_gemm(h, h_scale, w2, w2_scale, pair_out, aligned, top_k, config.down, gated=False,
+                 route_weights=weights.view(-1))
     grid = (tokens, triton.cdiv(hidden, COMBINE_BLOCK))
     _combine_kernel[grid](pair_out, expert_ids, out, hidden, num_experts, top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)

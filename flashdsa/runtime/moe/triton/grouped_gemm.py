@@ -130,48 +130,6 @@ def _accumulate(acc, a, a_scale, w_base, w_scale_base, rows, row_ok, ks, k_ok, k
 
 
 @triton.jit
-def _tile_setup(sorted_pairs_ptr, w_ptr, w_scale_ptr, block, tile_n, expert, n, top_k, stride_w_expert,
-                stride_scale_expert, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Aligned block ``block``'s rows, their pairs (-1: padding), which are live, the activation row
-    each reads (the pair's token in the gate/up GEMM, ``GATED``; the aligned row in the down GEMM),
-    column tile ``tile_n``'s columns and which are < n, and ``expert``'s weight and scale bases."""
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    live = pairs >= 0
-    if GATED:
-        a_rows = tl.where(live, pairs // top_k, 0).to(tl.int64)
-    else:
-        a_rows = rows.to(tl.int64)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
-    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
-    return rows, pairs, live, a_rows, cols, cols < n, w_base, w_scale_base
-
-
-@triton.jit
-def _store_rows(acc, acc_up, out_ptr, stride_out, rows, pairs, live, cols, col_ok, route_weights_ptr, swiglu_limit,
-                GATED: tl.constexpr, CLIP: tl.constexpr, WEIGHTED: tl.constexpr):
-    """The epilogue of an fp32 ``[BLOCK_M, BLOCK_N]`` tile: ``GATED`` stores ``silu(gate) * up`` (gate
-    ``acc``, up ``acc_up``; ``CLIP``: both clipped first) at the aligned rows, padding rows included
-    (zeros), so every row of a used block is written; ``WEIGHTED`` scales each row by its pair's
-    routing weight and stores it at the pair's row (live rows only)."""
-    if GATED:
-        if CLIP:
-            acc = tl.minimum(acc, swiglu_limit)
-            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    if WEIGHTED:
-        acc = acc * tl.load(route_weights_ptr + pairs, mask=live, other=0.0)[:, None]
-        out_rows = pairs
-        store = live[:, None] & col_ok[None, :]
-    else:
-        out_rows = rows
-        store = col_ok[None, :]
-    out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=store)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, route_weights_ptr,
     n, k, num_blocks, top_k, swiglu_limit,
@@ -194,9 +152,17 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_experts_ptr + block)
     if expert < 0:
         return
-    rows, pairs, live, a_rows, cols, col_ok, w_base, w_scale_base = _tile_setup(
-        sorted_pairs_ptr, w_ptr, w_scale_ptr, block, tile_n, expert, n, top_k, stride_w_expert, stride_scale_expert,
-        GATED, BLOCK_M, BLOCK_N)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    live = pairs >= 0
+    if GATED:  # the gate/up GEMM gathers each pair's token
+        a_rows = tl.where(live, pairs // top_k, 0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    w_base = w_ptr + expert.to(tl.int64) * stride_w_expert
+    w_scale_base = w_scale_ptr + expert.to(tl.int64) * stride_scale_expert
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # unused unless GATED (the compiler drops it)
     for k0 in range(0, k, BLOCK_K):
@@ -226,8 +192,20 @@ def _grouped_gemm_kernel(
             if GATED:
                 acc_up = _accumulate(acc_up, a, a_scale, w_base, w_scale_base, n + cols, col_ok, ks, k_ok, k0, k,
                                      stride_w_row, stride_scale_row, FP8, FP4, BLOCK_K, SCALE_GROUP, FP4_GROUP)
-    _store_rows(acc, acc_up, out_ptr, stride_out, rows, pairs, live, cols, col_ok, route_weights_ptr, swiglu_limit,
-                GATED, CLIP, WEIGHTED)
+    if GATED:
+        if CLIP:
+            acc = tl.minimum(acc, swiglu_limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:  # the pair's row of the output, scaled by its routing weight
+        acc = acc * tl.load(route_weights_ptr + pairs, mask=live, other=0.0)[:, None]
+        out_rows = pairs
+        store = live[:, None] & col_ok[None, :]
+    else:  # the aligned row; padding rows get zeros, so every row of a used block is written
+        out_rows = rows
+        store = col_ok[None, :]
+    out = out_ptr + out_rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=store)
 
 
 def grouped_gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: Optional[torch.Tensor],
