@@ -195,3 +195,52 @@ def test_distillation_raises_top1_agreement_more_than_the_data_loss():
     assert results["distill"][0] == results["data"][0]  # the same start
     assert results["distill"][1] > results["distill"][0] + 0.25, results
     assert results["distill"][1] > results["data"][1] + 0.2, results
+
+
+def finetune_args(model_dir, corpus, output) -> list[str]:
+    return ["finetune", "--model", str(model_dir), "--data", str(corpus), "--stage", "dense", "--steps", "2",
+            "--seq-len", "32", "--batch-tokens", "128", "--eval-every", "1", "--eval-tokens", "64", "--device", "cpu",
+            "--output", str(output)]
+
+
+@pytest.mark.parametrize("extra,flag,says", [
+    (["--mtp-distill-weight", "-1"], "--mtp-distill-weight", "must be a number >= 0"),
+    (["--mtp-distill-temperature", "0"], "--mtp-distill-temperature", "must be a number > 0"),
+    (["--mtp-distill-weight", "1"], "--mtp-distill-weight", "no multi-token-prediction layer"),
+    (["--mtp-only"], "--mtp-only", "no multi-token-prediction layer"),
+    (["--add-mtp-layer", "--mtp-only", "--mtp-loss-weight", "0"], "--mtp-only", "nothing would train"),
+    (["--add-mtp-layer", "--keep-best-by", "mtp_agreement"], "--keep-best-by", "pass --keep-best"),
+    (["--add-mtp-layer", "--keep-best", "--keep-best-by", "mtp_agreement", "--mtp-loss-weight", "0"],
+     "--keep-best-by", "needs the MTP layer's predictions"),
+    (["--add-mtp-layer", "--stage", "warmup", "--mtp-distill-weight", "1"], "--mtp-distill-weight", "warmup"),
+])
+def test_finetune_refuses_bad_mtp_options_naming_the_flag(tiny_model_dir, corpus, tmp_path, capsys, extra, flag, says):
+    from flashdsa.cli import main
+
+    try:
+        code = main(finetune_args(tiny_model_dir, corpus, tmp_path / "out") + extra)
+    except SystemExit as exc:  # argparse refuses a value at parse time
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"argument {flag}:" in err and says in err, err
+    assert not (tmp_path / "out" / "log.jsonl").exists()
+
+
+def test_finetune_mtp_only_distillation_keeps_the_main_weights(tiny_model_dir, corpus, tmp_path):
+    import json
+
+    from flashdsa.cli import main
+    from flashdsa.models.loader import load_model
+
+    out = tmp_path / "out"
+    args = finetune_args(tiny_model_dir, corpus, out) + [
+        "--add-mtp-layer", "--mtp-only", "--mtp-loss-weight", "0", "--mtp-distill-weight", "1",
+        "--mtp-distill-temperature", "2", "--keep-best", "--keep-best-by", "mtp_agreement", "--save-dtype", "float32"]
+    assert main(args) == 0
+    trained, source = load_model(out, mode="reference", mtp=True), load_model(tiny_model_dir, mode="reference")
+    assert trained.has_mtp
+    for name, t in source.state_dict().items():
+        assert torch.equal(trained.state_dict()[name], t), name
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert all(0 <= r["eval_mtp_agreement"] <= 1 and r["eval_mtp_distill"] >= 0 for r in records)
