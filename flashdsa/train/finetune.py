@@ -115,7 +115,8 @@ def check_mtp_options(cfg: TrainConfig, has_mtp: bool) -> None:
     for flag, used in (("--mtp-distill-weight", cfg.mtp_distill_weight > 0), ("--mtp-only", cfg.mtp_only),
                        ("--keep-best-by", cfg.keep_best_by == "mtp_agreement")):
         if used:
-            raise ArgumentError(flag, "the checkpoint has no multi-token-prediction layer; add one with --add-mtp-layer")
+            raise ArgumentError(flag, "the checkpoint has no multi-token-prediction layer; add one with "
+                                      "--add-mtp-layer")
 
 
 def read_data(path: Path, tokenizer, eval_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
