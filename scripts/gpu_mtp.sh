@@ -9,7 +9,8 @@
 # held-out losses and acceptance rates; `bench` then times that model).
 # Logs and the Markdown table land under $OUT (default /tmp/flashdsa-gpu).
 # Run on the device machine as:  source .device/env.sh && FLASHDSA_COMMIT=<sha> bash scripts/gpu_mtp.sh [tests] [bench] [train]
-# (no argument: tests and bench, under 5 minutes on an H100; train adds about 5 more).
+# (no argument: tests and bench, under 5 minutes on an H100; train adds about 5 more, its last stage
+# distilling the MTP layer toward the frozen main model: training.json's acceptance should rise above 0.65).
 # Tiny Shakespeare is read from $DATA, else shared/data/ in the repository, else ../shared/data/.
 set -uo pipefail
 out=${OUT:-/tmp/flashdsa-gpu}

@@ -2,14 +2,20 @@
 
     python scripts/train_default_model.py --output flashdsa/assets/default_model
 
-Recipe (one GPU, about five minutes of training):
+Recipe (one GPU, at most about six minutes of training; under eight in all with the measurements):
   0. a byte-level BPE tokenizer (2048 tokens) trained on the corpus (or --tokenizer DIR reused);
   1. ``dense``: from random weights, language modelling with dense attention (indexer frozen),
      plus the multi-token-prediction (MTP) layer's loss at weight 0.3 (DeepSeek-V3's first value);
   2. ``warmup``: the indexers alone learn the dense attention (KL over all causal keys);
   3. ``sparse``: top-k attention (topk 64 of up to 512 keys) through the sparse kernels' autograd,
-     LM loss plus the MTP loss at weight 0.1 plus the indexer KL over the selected keys.
-The last 10% of the corpus is held out. Each stage keeps the weights of its best held-out loss.
+     LM loss plus the MTP loss at weight 0.1 plus the indexer KL over the selected keys;
+  4. ``mtp``: the main model frozen (its outputs stay bit for bit), the MTP layer alone learns the
+     main model's next-token distribution (self-distillation: KL(main at i+1 || MTP at i), sparse
+     attention as at inference, its indexer by its KL), since speculative decoding accepts a draft
+     when it is the main model's own choice, not the data's; about 1.5 minutes on an H100.
+The last 10% of the corpus is held out. Each stage keeps the weights of its best held-out loss,
+the ``mtp`` stage those of its best held-out top-1 agreement with the main model (the greedy
+acceptance rate on the held-out text).
 The result (bf16 weights, HF layout, with the MTP layer) goes to --output with ``training.json``
 (losses, timings, the speculative-decoding acceptance rate on held-out prompts, a sample
 generated through the production inference path) and the stages' log and loss plot.
@@ -49,11 +55,16 @@ CONFIG = dict(
     max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
 )
 COMMON = dict(seq_len=512, batch_tokens=8192, eval_every=25, eval_tokens=65536, keep_best=True)
-STAGES = [  # (stage, steps, peak lr, seconds allowed, MTP loss weight)
-    ("dense", 1000, 1e-3, 130, 0.3),  # held-out loss is lowest near step 500, then it overfits; the best is kept
-    ("warmup", 200, 1e-3, 30, 0.3),  # (the MTP layer's indexer learns its KL; no LM losses here)
-    ("sparse", 400, 3e-4, 100, 0.1),  # (a 500 / 200 / 200-step variant ended worse: 3.964 vs 3.946 eval loss)
+STAGES = [  # (name, steps, peak lr, seconds allowed, TrainConfig settings)
+    ("dense", 1000, 1e-3, 130, dict(stage="dense", mtp_loss_weight=0.3)),  # held-out loss is lowest near step
+    # 500, then it overfits; the best is kept
+    ("warmup", 200, 1e-3, 30, dict(stage="warmup", mtp_loss_weight=0.3)),  # (the MTP layer's indexer learns its KL)
+    ("sparse", 400, 3e-4, 100, dict(stage="sparse", mtp_loss_weight=0.1)),  # (a 500 / 200 / 200-step variant
+    # ended worse: 3.964 vs 3.946 eval loss)
+    ("mtp", 1000, 1e-3, 90, dict(stage="sparse", mtp_only=True, mtp_loss_weight=0.0, mtp_distill_weight=1.0,
+                                 keep_best_by="mtp_agreement")),  # not yet run on a GPU
 ]
+PLOTTED = {"warmup": "eval_indexer_kl", "mtp": "eval_mtp_distill"}  # the others: eval_lm_loss
 ACCEPTANCE_PROMPTS, ACCEPTANCE_PROMPT_TOKENS, ACCEPTANCE_OUTPUT_TOKENS = 32, 64, 128
 SAMPLE_PROMPT = "ROMEO:\n"
 ALL_STAGES_LOG = "all_stages.jsonl"
@@ -89,7 +100,8 @@ def sparse_backend(device: torch.device, wanted: str) -> str:
 
 
 def held_out_losses(model_dir: Path, eval_tokens: torch.Tensor, seq_len: int, device: torch.device) -> dict:
-    """Held-out LM loss of the exported (bf16) model with sparse and with dense attention, and the indexer KL."""
+    """Held-out LM loss of the exported (bf16) model with sparse and with dense attention, the indexer
+    KL, and the MTP layer's loss, KL to the main model and top-1 agreement with it (sparse)."""
     from flashdsa.models.loader import load_model
 
     model = load_model(model_dir, device=device, mode="reference", mtp=True)
@@ -97,7 +109,8 @@ def held_out_losses(model_dir: Path, eval_tokens: torch.Tensor, seq_len: int, de
     sparse = evaluate(model, batches, TrainConfig(stage="sparse", steps=1, seq_len=seq_len), device)
     dense = evaluate(model, batches, TrainConfig(stage="dense", steps=1, seq_len=seq_len), device)
     return {"sparse_lm_loss": sparse["eval_lm_loss"], "indexer_kl": sparse["eval_indexer_kl"],
-            "mtp_loss": sparse["eval_mtp_loss"], "dense_lm_loss": dense["eval_lm_loss"],
+            "mtp_loss": sparse["eval_mtp_loss"], "mtp_distill": sparse["eval_mtp_distill"],
+            "mtp_agreement": sparse["eval_mtp_agreement"], "dense_lm_loss": dense["eval_lm_loss"],
             "tokens": sum(b[:, 1:].numel() for b in batches)}
 
 
@@ -178,21 +191,21 @@ def main() -> None:
     summary = {"config": CONFIG, "backend": backend, "device": torch.cuda.get_device_name() if device.type == "cuda"
                else "cpu", "train_tokens": len(train_tokens), "eval_tokens": len(eval_tokens), "stages": []}
     series, offset = [], 0
-    for stage, steps, lr, seconds, mtp_weight in STAGES:
-        cfg = TrainConfig(stage=stage, steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
-                          time_limit_s=seconds * args.time_scale, mtp_loss_weight=mtp_weight, **common)
-        shutil.rmtree(work / stage, ignore_errors=True)
-        trainer = Trainer(model, train_tokens, eval_tokens, cfg, work / stage, tokenizer_dir, device)
+    for name, steps, lr, seconds, settings in STAGES:
+        cfg = TrainConfig(steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
+                          time_limit_s=seconds * args.time_scale, **settings, **common)
+        shutil.rmtree(work / name, ignore_errors=True)
+        trainer = Trainer(model, train_tokens, eval_tokens, cfg, work / name, tokenizer_dir, device)
         started = time.perf_counter()
         metrics = trainer.train()
-        records = read_records(work / stage / LOG_FILE)
+        records = read_records(work / name / LOG_FILE)
         speed = sorted(r["tokens_per_s"] for r in records)[len(records) // 2]
-        summary["stages"].append({"stage": stage, "steps": trainer.step, "lr": lr, "median_tokens_per_s": speed,
+        summary["stages"].append({"stage": name, "steps": trainer.step, "lr": lr, "median_tokens_per_s": speed,
                                   "seconds": time.perf_counter() - started, **metrics})
-        logger.info("%s: %s", stage, summary["stages"][-1])
-        key = "eval_indexer_kl" if stage == "warmup" else "eval_lm_loss"
+        logger.info("%s: %s", name, summary["stages"][-1])
+        key = PLOTTED.get(name, "eval_lm_loss")
         points = [(offset + r["step"], r[key]) for r in records if key in r]
-        series.append((f"{stage} {key[5:]}", points))
+        series.append((f"{name} {key[5:]}", points))
         offset += trainer.step
         with (work / ALL_STAGES_LOG).open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

@@ -12,8 +12,12 @@ trains data-parallel with FSDP2 over N processes (``flashdsa.train.distributed``
 batch, checkpoints and outputs as one process; each rank reads only its shards of a V3.2 checkpoint
 (``flashdsa.train.sharded_load``); rank 0 writes the weights, gathered one tensor at a time, and
 every rank its shards of the optimizer state (``flashdsa.train.checkpoint``).
-A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``); ``--add-mtp-layer``
-gives a checkpoint without one a freshly initialised layer. A V4 checkpoint (``model_type``
+A checkpoint's MTP layer trains with its own loss (``--mtp-loss-weight``) and, to raise speculative
+decoding's acceptance, by distillation toward the main model's next-token distribution
+(``--mtp-distill-weight``, ``--mtp-distill-temperature``); ``--mtp-only`` trains it alone, the main
+model frozen, and ``--keep-best-by mtp_agreement`` keeps its weights of the best held-out top-1
+agreement with the main model. ``--add-mtp-layer`` gives a checkpoint without one a freshly
+initialised layer. A V4 checkpoint (``model_type``
 ``deepseek_v4``) trains through the same stages, its CSA indexers over the compressed entries
 (``flashdsa.train.forward_v4``), and is saved in the official V4 layout.
 """
@@ -28,7 +32,7 @@ import torch
 
 from flashdsa.arguments import device_type, float_in, int_in, output_directory
 from flashdsa.errors import ArgumentError, blame
-from flashdsa.train.loop import STAGES, TrainConfig
+from flashdsa.train.loop import KEEP_BEST_BY, STAGES, TrainConfig
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -65,12 +69,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="data order seed")
     parser.add_argument("--backend", choices=["triton", "reference"], default=None,
                         help="sparse attention backend (default: the fastest available)")
-    parser.add_argument("--keep-best", action="store_true", help="save the weights of the best held-out loss")
+    parser.add_argument("--keep-best", action="store_true", help="end with (and save) the best held-out weights")
+    parser.add_argument("--keep-best-by", choices=KEEP_BEST_BY, default="loss",
+                        help="what --keep-best ranks by: the held-out loss (default), or mtp_agreement, the MTP "
+                             "layer's top-1 agreement with the main model (greedy speculative acceptance)")
     parser.add_argument("--time-limit", type=positive, default=None, help="stop (resumably) after this many seconds")
     parser.add_argument("--save-dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the final weights")
     parser.add_argument("--max-shard-mb", type=int_in(0), default=4096, help="largest safetensors shard in MiB")
     parser.add_argument("--mtp-loss-weight", type=float_in(0), default=0.1,
                         help="weight of the MTP layer's loss (default 0.1; DeepSeek-V3 used 0.3, then 0.1; 0: off)")
+    parser.add_argument("--mtp-distill-weight", type=float_in(0), default=0.0,
+                        help="weight of the MTP layer's KL to the main model's next-token distribution, what "
+                             "speculative decoding accepts (default 0: off; dense and sparse stages)")
+    parser.add_argument("--mtp-distill-temperature", type=positive, default=1.0,
+                        help="softmax temperature of that KL (scaled by its square; default 1)")
+    parser.add_argument("--mtp-only", action="store_true",
+                        help="train only the MTP layer: main model, embedding and head frozen (outputs unchanged)")
     parser.add_argument("--add-mtp-layer", action="store_true",
                         help="give a checkpoint without a multi-token-prediction layer a fresh one to train")
 
@@ -81,12 +95,28 @@ def train_config(args: argparse.Namespace, positions: int) -> TrainConfig:
         raise ArgumentError("--seq-len", f"at most the model's {positions} positions, got {args.seq_len}")
     if args.batch_tokens < args.seq_len:
         raise ArgumentError("--batch-tokens", f"at least --seq-len ({args.seq_len}), got {args.batch_tokens}")
+    if args.keep_best_by != "loss" and not args.keep_best:
+        raise ArgumentError("--keep-best-by", "ranks the weights --keep-best keeps: pass --keep-best too")
     return TrainConfig(stage=args.stage, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
                        batch_tokens=args.batch_tokens, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
                        weight_decay=args.weight_decay, grad_clip=args.grad_clip, kl_weight=args.kl_weight,
                        eval_every=args.eval_every, eval_tokens=args.eval_tokens, save_every=args.save_every,
                        checkpointing=args.gradient_checkpointing, seed=args.seed, backend=args.backend,
-                       keep_best=args.keep_best, time_limit_s=args.time_limit, mtp_loss_weight=args.mtp_loss_weight)
+                       keep_best=args.keep_best, keep_best_by=args.keep_best_by, time_limit_s=args.time_limit,
+                       mtp_loss_weight=args.mtp_loss_weight, mtp_distill_weight=args.mtp_distill_weight,
+                       mtp_distill_temperature=args.mtp_distill_temperature, mtp_only=args.mtp_only)
+
+
+def check_mtp_options(cfg: TrainConfig, has_mtp: bool) -> None:
+    """ArgumentError naming the first MTP option set for a checkpoint without an MTP layer (and no
+    --add-mtp-layer): distillation, --mtp-only and ranking by agreement would have nothing to act on."""
+    if has_mtp:
+        return
+    for flag, used in (("--mtp-distill-weight", cfg.mtp_distill_weight > 0), ("--mtp-only", cfg.mtp_only),
+                       ("--keep-best-by", cfg.keep_best_by == "mtp_agreement")):
+        if used:
+            raise ArgumentError(flag, "the checkpoint has no multi-token-prediction layer; add one with "
+                                      "--add-mtp-layer")
 
 
 def read_data(path: Path, tokenizer, eval_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     has_mtp = config.num_nextn_predict_layers > 0
     if args.add_mtp_layer and has_mtp and not args.resume:
         raise ArgumentError("--add-mtp-layer", f"{model_dir} already has a multi-token-prediction layer")
+    check_mtp_options(cfg, has_mtp or args.add_mtp_layer)
     with blame("--batch-tokens", (ValueError,)):  # its sequences must split evenly over the ranks
         world.check_batch(cfg.batch_size)
     tokenizer = load_tokenizer(model_dir)

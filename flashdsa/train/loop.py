@@ -7,7 +7,10 @@ Stages (DeepSeek-V3.2's recipe, plus ``dense`` for training a model from scratch
   sparse  top-k attention through the sparse kernels; LM loss for the model plus the indexer
           KL over the selected keys, the indexer's inputs detached, so each learns from its own loss
 A model with an MTP layer adds its loss (predicting the token after next, weight
-``mtp_loss_weight``, as DeepSeek-V3) in the dense and sparse stages, and its indexer's KL.
+``mtp_loss_weight``, as DeepSeek-V3) in the dense and sparse stages, and its indexer's KL; with
+``mtp_distill_weight`` also its KL to the main model's next-token distribution (``losses.distill_kl``:
+what speculative decoding accepts). ``mtp_only`` trains the MTP layer alone (what the stage would
+train of it), the main model, embedding and head frozen, so the model's own outputs stay bit for bit.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from tqdm import tqdm
 from flashdsa.train import checkpoint as ckpt
 from flashdsa.train.data import TokenBatches, eval_batches
 from flashdsa.train.distributed import World, full_norm
-from flashdsa.train.architecture import forwards
-from flashdsa.train.losses import lm_loss
+from flashdsa.errors import ArgumentError
+from flashdsa.train.architecture import forwards, mtp_layer
+from flashdsa.train.losses import distill_kl, lm_loss, top1_agreement
 from flashdsa.train.plot import save_loss_png
 from flashdsa.train.safe_io import append_record, read_records, truncate_records
 from flashdsa.train.sharded_load import load_for_training
@@ -34,6 +38,7 @@ from flashdsa.train.sharded_load import load_for_training
 logger = logging.getLogger(__name__)
 
 STAGES = ("dense", "warmup", "sparse")
+KEEP_BEST_BY = ("loss", "mtp_agreement")  # the held-out loss (lowest), or MTP top-1 agreement (highest)
 LOG_FILE, PLOT_FILE, BEST_DIR = "log.jsonl", "loss.png", "best"
 
 
@@ -55,18 +60,45 @@ class TrainConfig:
     checkpointing: bool = False
     seed: int = 0
     backend: Optional[str] = None  # sparse attention backend (None: the fastest available)
-    keep_best: bool = False  # end with the weights of the best held-out loss (kept in <output>/best)
+    keep_best: bool = False  # end with the best held-out weights by ``keep_best_by`` (kept in <output>/best)
+    keep_best_by: str = "loss"
     time_limit_s: Optional[float] = None  # stop early (with a checkpoint) after this long
     mtp_loss_weight: float = 0.1  # weight of the MTP layer's loss (DeepSeek-V3: 0.3, then 0.1); 0: not run
+    mtp_distill_weight: float = 0.0  # weight of the MTP layer's KL to the main model (losses.distill_kl)
+    mtp_distill_temperature: float = 1.0
+    mtp_only: bool = False  # train the MTP layer alone; the main model, embedding and head frozen
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
         if self.mtp_loss_weight < 0:
             raise ValueError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
+        self._check_mtp_options()
         if self.steps < 1 or self.seq_len < 2 or self.batch_tokens < self.seq_len:
             raise ValueError(f"need steps >= 1, seq_len >= 2, batch_tokens >= seq_len; got {self.steps}, "
                              f"{self.seq_len}, {self.batch_tokens}")
+
+    def _check_mtp_options(self) -> None:
+        """ArgumentError naming the field of an MTP setting that cannot work with the others."""
+        if not self.mtp_distill_weight >= 0:
+            raise ArgumentError("mtp_distill_weight", f"must be >= 0, got {self.mtp_distill_weight}")
+        if not self.mtp_distill_temperature > 0:
+            raise ArgumentError("mtp_distill_temperature", f"must be > 0, got {self.mtp_distill_temperature}")
+        if self.keep_best_by not in KEEP_BEST_BY:
+            raise ArgumentError("keep_best_by", f"must be one of {KEEP_BEST_BY}, got {self.keep_best_by!r}")
+        if self.mtp_distill_weight > 0 and self.stage == "warmup":
+            raise ArgumentError("mtp_distill_weight", "the warmup stage trains only indexers; distill the MTP "
+                                                      "layer in the dense or sparse stage")
+        if self.mtp_only and not self.runs_mtp:
+            raise ArgumentError("mtp_only", "nothing would train: needs mtp_loss_weight or mtp_distill_weight > 0")
+        if self.keep_best_by == "mtp_agreement" and (self.stage == "warmup" or not self.runs_mtp):
+            raise ArgumentError("keep_best_by", "mtp_agreement needs the MTP layer's predictions: a dense or sparse "
+                                                "stage with mtp_loss_weight or mtp_distill_weight > 0")
+
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether the MTP layer runs (on a model that has one)."""
+        return self.mtp_loss_weight > 0 or self.mtp_distill_weight > 0
 
     @property
     def batch_size(self) -> int:
@@ -77,11 +109,15 @@ class TrainConfig:
         return "sparse" if self.stage == "sparse" else "dense"
 
 
-def set_trainable(model, stage: str) -> list[torch.nn.Parameter]:
-    """Freeze/unfreeze by stage; returns the trainable parameters."""
+def set_trainable(model, stage: str, mtp_only: bool = False) -> list[torch.nn.Parameter]:
+    """Freeze/unfreeze by stage (and, ``mtp_only``, all but the MTP layer); returns the trainable parameters."""
+    if mtp_only and not model.has_mtp:
+        raise ArgumentError("mtp_only", "the model has no MTP layer to train")
+    mtp = {id(p) for p in mtp_layer(model).parameters()} if mtp_only else set()
     for name, p in model.named_parameters():
         is_indexer = ".indexer." in name
-        p.requires_grad_({"dense": not is_indexer, "warmup": is_indexer, "sparse": True}[stage])
+        by_stage = {"dense": not is_indexer, "warmup": is_indexer, "sparse": True}[stage]
+        p.requires_grad_(by_stage and (not mtp_only or id(p) in mtp))
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -102,9 +138,12 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig):
 
 
 def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "mtp_loss", "indexer_kl"} (those the stage and
-    model have). The MTP loss covers the L - 1 positions whose token after next is in the batch."""
-    mtp = model.has_mtp and cfg.mtp_loss_weight > 0
+    """``batch: [B, L + 1]`` -> {"loss", "lm_loss", "mtp_loss", "mtp_distill", "mtp_agreement",
+    "indexer_kl"} (those the stage and model have). The MTP terms cover the L - 1 positions whose
+    token after next is in the batch: MTP row i against the data's token i + 2 (``mtp_loss``) and
+    against the main model's row i + 1 (``mtp_distill``, the KL; ``mtp_agreement``, the share of
+    equal argmaxes: greedy acceptance on this text, a metric without gradient)."""
+    mtp = model.has_mtp and cfg.runs_mtp
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.is_cuda):
         out = forwards(model)[0](model, batch[:, :-1], cfg.attention, indexer_loss=cfg.stage != "dense",
                                checkpointing=cfg.checkpointing, backend=cfg.backend,
@@ -113,10 +152,14 @@ def compute_losses(model, batch: torch.Tensor, cfg: TrainConfig) -> dict[str, to
     if cfg.stage != "warmup":
         losses["lm_loss"] = lm_loss(out.logits, batch[:, 1:])
         if out.mtp_logits is not None:
-            losses["mtp_loss"] = lm_loss(out.mtp_logits[:, :-1], batch[:, 2:])
+            draft, main = out.mtp_logits[:, :-1], out.logits[:, 1:]  # both predict token i + 2
+            losses["mtp_loss"] = lm_loss(draft, batch[:, 2:])
+            losses["mtp_distill"] = distill_kl(draft, main, cfg.mtp_distill_temperature)
+            losses["mtp_agreement"] = top1_agreement(draft, main)
     if out.indexer_kl is not None:
         losses["indexer_kl"] = out.indexer_kl
     losses["loss"] = (losses.get("lm_loss", 0.0) + cfg.mtp_loss_weight * losses.get("mtp_loss", 0.0)
+                      + cfg.mtp_distill_weight * losses.get("mtp_distill", 0.0)
                       + cfg.kl_weight * losses.get("indexer_kl", 0.0))
     return losses
 
@@ -144,7 +187,7 @@ class Trainer:
         self.output_dir, self.tokenizer_dir = Path(output_dir), tokenizer_dir
         self.world = world or World(device=self.device)
         self.world.check_batch(cfg.batch_size)
-        set_trainable(model, cfg.stage)
+        set_trainable(model, cfg.stage, cfg.mtp_only)
         self.world.shard(model)  # replaces the parameters with this rank's shards
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg)
@@ -194,7 +237,7 @@ class Trainer:
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps or out_of_time:
                 metrics = evaluate(self.model, self.eval_set, cfg, self.device)
                 record.update(metrics)
-                self._keep_if_best(metrics["eval_loss"])
+                self._keep_if_best(metrics)
             self._log(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4f}" for k, v in metrics.items()})
             bar.update(1)
@@ -209,12 +252,17 @@ class Trainer:
         self.plot()
         if cfg.keep_best and (self.output_dir / BEST_DIR).is_dir():
             self._restore_best()
-            metrics = {**metrics, "best_eval_loss": self.best_eval}
+            best = self.best_eval if cfg.keep_best_by == "loss" else -self.best_eval
+            metrics = {**metrics, f"best_eval_{cfg.keep_best_by}": best}
         return metrics
 
-    def _keep_if_best(self, eval_loss: float) -> None:
-        if self.cfg.keep_best and eval_loss < self.best_eval:  # every rank evaluates alike, so all agree
-            self.best_eval = eval_loss
+    def _keep_if_best(self, metrics: dict[str, float]) -> None:
+        """Save the weights when ``metrics`` are the best yet; ``best_eval`` holds the score to beat,
+        lower is better: the held-out loss, or minus the MTP top-1 agreement."""
+        by_loss = self.cfg.keep_best_by == "loss"
+        score = metrics["eval_loss"] if by_loss else -metrics["eval_mtp_agreement"]
+        if self.cfg.keep_best and score < self.best_eval:  # every rank evaluates alike, so all agree
+            self.best_eval = score
             ckpt.save_model(self.model, self.output_dir / BEST_DIR, self.tokenizer_dir, world=self.world)
 
     def _restore_best(self) -> None:
@@ -245,7 +293,7 @@ class Trainer:
             return
         records = read_records(self.output_dir / LOG_FILE)
         series = []
-        for key in ("loss", "eval_loss", "eval_indexer_kl"):
+        for key in ("loss", "eval_loss", "eval_indexer_kl", "eval_mtp_distill"):
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
                 series.append((key.replace("_", " "), points))

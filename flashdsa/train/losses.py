@@ -1,9 +1,16 @@
-"""The DSA training losses: language modelling and the indexer's KL to the main attention.
+"""The DSA training losses: language modelling, the indexer's KL to the main attention, and the
+MTP layer's distillation toward the main model.
 
 The indexer learns to imitate the main attention: for query t, the target p_t is the main
 attention probability of each key summed over heads and L1-normalised, and the loss is
 KL(p_t || softmax(I_t)) with I_t the indexer scores. Dense warm-up takes it over every causal
 key; the sparse stage over the top-k keys the indexer selected. Targets are always detached.
+
+The MTP layer drafts token i + 2 from position i; speculative decoding keeps the draft when it is
+the main model's own choice at position i + 1 (greedy) or by rejection sampling against the main
+model's distribution there. So besides the data's token (``lm_loss``) the layer can learn that
+distribution itself: KL(main_{i+1} || mtp_i), the main logits detached (self-distillation, as
+EAGLE-style drafters are trained), and ``top1_agreement`` measures the greedy acceptance it buys.
 """
 
 from __future__ import annotations
@@ -17,6 +24,26 @@ TARGET_CHUNK = 1024  # queries per chunk when gathering selected keys for the sp
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy. logits: [B, L, V] (any float), targets: [B, L] int64."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over positions of T^2 * KL(softmax(teacher / T) || softmax(student / T)).
+
+    student, teacher: [..., V] logits (any float; the teacher detached here). The T^2 factor keeps
+    the gradient's scale about that of T = 1 (Hinton et al.), so a weight means the same at any T.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_p = torch.log_softmax(teacher.detach().float() / temperature, dim=-1)
+    log_q = torch.log_softmax(student.float() / temperature, dim=-1)
+    terms = log_p.exp() * (log_p - log_q)
+    return terms.sum(-1).mean() * temperature**2
+
+
+@torch.no_grad()
+def top1_agreement(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Share of positions where the two argmaxes agree (fp32 scalar). student, teacher: [..., V] logits."""
+    return (student.argmax(-1) == teacher.argmax(-1)).float().mean()
 
 
 def indexer_kl(target: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

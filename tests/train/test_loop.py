@@ -76,11 +76,15 @@ def test_resume_refuses_another_stage(tiny_model_dir, corpus, tmp_path):
         make_trainer(tiny_model_dir, corpus, tmp_path, "sparse", 2)
 
 
-def test_keep_best_ends_on_the_best_evaluated_weights(tiny_model_dir, corpus, tmp_path, monkeypatch):
-    scripted = iter([3.0, 1.0, 2.0])  # held-out losses of steps 1, 2, 3: step 2 is the best
-    monkeypatch.setattr(loop, "evaluate", lambda *args: {"eval_loss": next(scripted)})
-    trainer = make_trainer(tiny_model_dir, corpus, tmp_path, "sparse", 3, keep_best=True, eval_every=1, save_every=1)
-    assert trainer.train()["best_eval_loss"] == 1.0
+@pytest.mark.parametrize("keep_best_by,scores", [("loss", [3.0, 1.0, 2.0]), ("mtp_agreement", [0.2, 0.5, 0.3])])
+def test_keep_best_ends_on_the_best_evaluated_weights(tiny_model_dir, corpus, tmp_path, monkeypatch, keep_best_by,
+                                                     scores):
+    scripted = iter(scores)  # held-out scores of steps 1, 2, 3: step 2 is the best (lowest loss, highest agreement)
+    key = "eval_loss" if keep_best_by == "loss" else "eval_mtp_agreement"
+    monkeypatch.setattr(loop, "evaluate", lambda *args: {"eval_loss": 9.0, key: next(scripted)})
+    trainer = make_trainer(tiny_model_dir, corpus, tmp_path, "sparse", 3, keep_best=True, eval_every=1, save_every=1,
+                           keep_best_by=keep_best_by)
+    assert trainer.train()[f"best_eval_{keep_best_by}"] == scores[1]
     step2 = load_model(ckpt.checkpoint_dir(tmp_path, 2), mode="reference").state_dict()
     assert all(torch.equal(step2[name], t) for name, t in trainer.model.state_dict().items())
     last = load_model(ckpt.checkpoint_dir(tmp_path, 3), mode="reference").state_dict()
