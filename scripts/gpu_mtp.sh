@@ -9,8 +9,9 @@
 # held-out losses and acceptance rates; `bench` then times that model).
 # Logs and the Markdown table land under $OUT (default /tmp/flashdsa-gpu).
 # Run on the device machine as:  source .device/env.sh && FLASHDSA_COMMIT=<sha> bash scripts/gpu_mtp.sh [tests] [bench] [train]
-# (no argument: tests and bench, under 5 minutes on an H100; train adds about 5 more, its last stage
-# distilling the MTP layer toward the frozen main model: training.json's acceptance should rise above 0.65).
+# (no argument: tests and bench, under 5 minutes on an H100; train adds about 5 more; MTP_DISTILL=1 adds
+# the stage distilling the MTP layer toward the frozen main model: training.json's acceptance should
+# then rise above 0.65).
 # Tiny Shakespeare is read from $DATA, else shared/data/ in the repository, else ../shared/data/.
 set -uo pipefail
 out=${OUT:-/tmp/flashdsa-gpu}
@@ -32,7 +33,7 @@ if [[ $parts == *" train "* ]]; then
   fi
   rm -rf "$out/default_model" "$out/default_model_work"
   python3 scripts/train_default_model.py --data "$data" --output "$out/default_model" --work "$out/default_model_work" \
-    2>&1 | tee "$out/mtp-train.log" || status=1
+    ${MTP_DISTILL:+--mtp-distill} 2>&1 | tee "$out/mtp-train.log" || status=1
   cp "$out/default_model_work/training.json" "$out/default_model_work/loss.png" "$out/" 2>/dev/null
 fi
 if [[ $parts == *" bench "* ]]; then

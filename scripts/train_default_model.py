@@ -9,7 +9,7 @@ Recipe (one GPU, at most about six minutes of training; under eight in all with 
   2. ``warmup``: the indexers alone learn the dense attention (KL over all causal keys);
   3. ``sparse``: top-k attention (topk 64 of up to 512 keys) through the sparse kernels' autograd,
      LM loss plus the MTP loss at weight 0.1 plus the indexer KL over the selected keys;
-  4. ``mtp``: the main model frozen (its outputs stay bit for bit), the MTP layer alone learns the
+  4. ``mtp`` (only with ``--mtp-distill``: the shipped model was trained by stages 0-3): the main model frozen (its outputs stay bit for bit), the MTP layer alone learns the
      main model's next-token distribution (self-distillation: KL(main at i+1 || MTP at i), sparse
      attention as at inference, its indexer by its KL), since speculative decoding accepts a draft
      when it is the main model's own choice, not the data's; about 1.5 minutes on an H100.
@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every stage's steps and time")
     parser.add_argument("--smoke", action="store_true", help="short sequences, tiny batches: check the script on CPU")
+    parser.add_argument("--mtp-distill", action="store_true",
+                        help="add the mtp stage (the shipped model was trained without it; not yet run on a GPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device, work, output = torch.device(args.device), Path(args.work), Path(args.output)
@@ -191,7 +193,7 @@ def main() -> None:
     summary = {"config": CONFIG, "backend": backend, "device": torch.cuda.get_device_name() if device.type == "cuda"
                else "cpu", "train_tokens": len(train_tokens), "eval_tokens": len(eval_tokens), "stages": []}
     series, offset = [], 0
-    for name, steps, lr, seconds, settings in STAGES:
+    for name, steps, lr, seconds, settings in [s for s in STAGES if args.mtp_distill or s[0] != "mtp"]:
         cfg = TrainConfig(steps=max(1, int(steps * args.time_scale)), lr=lr, backend=backend,
                           time_limit_s=seconds * args.time_scale, **settings, **common)
         shutil.rmtree(work / name, ignore_errors=True)

@@ -480,8 +480,8 @@ struct TopK {
     Shared& s = *reinterpret_cast<Shared*>(smem);
     const int64_t row = blockIdx.x;
     const float* row_ptr = logits + row * stride;
-    const int hi = ends ? min(max(ends[row], 0), width) : width;  // no ranges: whole rows; never outside the row
-    const int lo = starts ? min(max(starts[row], 0), hi) : 0;
+    const int end = ends != nullptr ? __ldg(ends + row) : width, start = starts != nullptr ? __ldg(starts + row) : 0;
+    const int hi = min(max(end, 0), width), lo = min(max(start, 0), hi);  // no ranges: whole rows; never outside
     out += row * out_stride;
 
     // One-pass rows: the sampled tiles' histogram sets a floor at about 5/4 of topk scores over the
