@@ -31,7 +31,7 @@ def fused_halves(tokens: int, inter: int, dtype: torch.dtype, g: torch.Generator
 
 
 def check_swiglu(gate, up, limit, backend=None) -> torch.Tensor:
-    """The op equals torch's ops within an ulp of a 16-bit dtype (but in a rare element: equal) and 4 fp32 ulps (torch's CPU silu
+    """The op equals torch's ops within 2 ulps of a 16-bit dtype (but in a rare element: equal) and 4 fp32 ulps (torch's CPU silu
     takes a vectorized exp, the interpreter NumPy's: 2.9 ulps seen; on a GPU both are libdevice's),
     both within rounding of the float64 math; NaN where torch has NaN. Returns the finite values."""
     flood_cuda_allocator_with_nan(gate.device)
@@ -43,13 +43,18 @@ def check_swiglu(gate, up, limit, backend=None) -> torch.Tensor:
     assert torch.equal(got.isnan(), nan), f"seed {SEED}: NaN where torch has none, or the reverse"
     got, want, exact = got[~nan].double(), want[~nan].double(), restated(gate, up, limit)[~nan]
     info = torch.finfo(gate.dtype)
-    ulps = 4 if gate.dtype == torch.float32 else 1
+    # 16-bit: an fp32 ulp of exp rarely moves silu's 16-bit rounding by one ulp, which the product
+    # scales to up to 2 ulps of its own (seen once in ~10^5 under the interpreter)
+    ulps = 4 if gate.dtype == torch.float32 else 2
     off = (got - want).abs() > ulps * info.eps * want.abs() + info.tiny
     assert not off.any(), f"seed {SEED}: {int(off.sum())} of {off.numel()} off torch's, first {got[off][:4]}"
-    if ulps == 1:  # an fp32 ulp of exp moves a 16-bit rounding rarely: torch's roundings are the kernel's
+    if gate.dtype != torch.float32:  # that is rare: torch's roundings are the kernel's
         differ = int((got != want).sum())
-        assert differ <= 1 + got.numel() // 1000, f"seed {SEED}: {differ} of {got.numel()} differ from torch's"
-    torch.testing.assert_close(got, exact, rtol=max(2, ulps) * info.eps, atol=2 * info.tiny, msg=f"seed {SEED}")
+        assert differ <= 2 + got.numel() // 500, f"seed {SEED}: {differ} of {got.numel()} differ from torch's"
+    # below a gate of -87 the fp32 sigmoid is subnormal (torch's and the kernel's silu lose its digits alike)
+    tame = gate.double()[~nan] > -87.0
+    torch.testing.assert_close(got[tame], exact[tame], rtol=max(2, ulps) * info.eps, atol=2 * info.tiny,
+                               msg=f"seed {SEED}")
     return got
 
 
