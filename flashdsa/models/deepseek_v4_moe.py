@@ -59,7 +59,7 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.empty(c.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight.to(x.dtype)).float()
+        logits = F.linear(x, self.weight.to(x.dtype))  # x's dtype: the routing widens it as it reads (no cast kernel)
         # one kernel on a GPU without autograd (hash: ~12 torch kernels, else ~10); torch's ops under it
         backend = "reference" if torch.is_grad_enabled() else None
         if self.hashed:
