@@ -62,8 +62,7 @@ SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's sco
 TRITON_SCORINGS = ("sigmoid", "sqrtsoftplus")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # router logits; 16-bit ones widened as read
 SWIGLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only (gradchecks)
-TRITON_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # router logits; 16-bit ones widened as read
-SWIGLU_DTYPES = SWIGLU_DTYPES[:3]
+TRITON_SWIGLU_DTYPES = SWIGLU_DTYPES[:3]
 
 
 def _triton_routes(padded_experts: int, top_k: int, scoring: str = "sigmoid", **_) -> Optional[str]:
