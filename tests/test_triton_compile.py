@@ -281,7 +281,7 @@ def test_rope_kernel_compiles_for_hopper_and_blackwell(launches):
 
 def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
     """V3.2's routing (256 experts, 8 groups keep 4, top-8), ungrouped routing, and V4's (top-6 of
-    sqrt(softplus) scores), V4's hash routing (its vocabulary's table, int64 or int32)."""
+    sqrt(softplus) scores), V4's hash routing (its vocabulary's table, int64 or int32), both on bf16 logits."""
     from flashdsa.runtime.moe.triton import routing
 
     logits, bias = torch.randn(3, 256), torch.randn(256)
@@ -292,6 +292,8 @@ def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
     for ids in (torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         routing.hash_experts(logits, table, ids, 1.5, "sqrtsoftplus")
     routing.hash_experts(logits, table.int(), torch.zeros(3, dtype=torch.int64), 1.5, "sigmoid")
+    routing.select_experts(logits.bfloat16(), bias, 6, 1, 1, True, 1.5, "sqrtsoftplus")  # V4's bf16 router GEMM
+    routing.hash_experts(logits.bfloat16(), table, torch.zeros(3, dtype=torch.int64), 1.5, "sqrtsoftplus")
     assert compile_all(launches, specialize=True) == ["_hash_route_kernel", "_route_kernel"]
 
 
@@ -319,7 +321,7 @@ def test_slots_kernel_compiles_for_hopper_and_blackwell(launches):
 
 def test_hyper_connection_kernels_compile_for_hopper_and_blackwell(launches):
     """mHC at V4-Flash widths (D 4096, n 4; decode and prefill token counts, bf16 and fp32 streams),
-    the head's variant, and n = 8 / n = 2 at other widths."""
+    the head's variant, the post with a second block output, and n = 8 / n = 2 at other widths."""
     from flashdsa.runtime.hyper.triton import hyper
 
     for tokens, n, dim, dtype in ((1, 4, 4096, torch.bfloat16), (128, 4, 4096, torch.bfloat16),
@@ -329,14 +331,16 @@ def test_hyper_connection_kernels_compile_for_hopper_and_blackwell(launches):
         width = (2 + n) * n
         fn, base, scale = torch.empty(width, n * dim), torch.empty(width), torch.empty(3)
         _, post, comb = hyper.hc_pre(h, fn, base, scale, 20, 1e-6, 1e-6)
-        hyper.hc_post(torch.empty(tokens, dim, dtype=dtype), h, post, comb)
+        y = torch.empty(tokens, dim, dtype=dtype)
+        hyper.hc_post(y, h, post, comb)
+        hyper.hc_post(y, h, post, comb, torch.empty(tokens, dim, dtype=dtype))  # V4's routed + shared experts
         hyper.hc_head(h, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
     assert compile_all(launches, specialize=True) == ["_mix_kernel", "_post_kernel", "_pre_kernel"]
 
 
 def test_compressor_decode_step_kernel_compiles_for_hopper_and_blackwell(launches):
     """V4's CSA (ratio 4, head 512 and the indexer's 128, overlap) and HCA (ratio 128) decode steps,
-    on a state pool with fresh rows and on plain [B, W, C] states."""
+    on a state pool with fresh rows (fp32 and bf16 entries) and on plain [B, W, C] states."""
     from flashdsa.runtime.compressor import new_state
     from flashdsa.runtime.compressor.triton import decode_step
 
@@ -345,8 +349,10 @@ def test_compressor_decode_step_kernel_compiles_for_hopper_and_blackwell(launche
         for batch in (1, 32):
             kv, positions = torch.empty(batch, channels, dtype=torch.bfloat16), torch.zeros(batch, dtype=torch.int64)
             bias = torch.empty(ratio, channels)
-            decode_step.compress_decode_step(kv, kv, positions, bias, overlap, *new_state(batch + 2, ratio, channels,
-                                             overlap, "cpu"), positions, torch.zeros(batch, dtype=torch.bool))
+            for out_dtype in (torch.float32, torch.bfloat16):  # the model asks for bf16 entries
+                decode_step.compress_decode_step(kv, kv, positions, bias, overlap, *new_state(
+                    batch + 2, ratio, channels, overlap, "cpu"), positions, torch.zeros(batch, dtype=torch.bool),
+                    out_dtype)
             decode_step.compress_decode_step(kv, kv, positions, bias, overlap, *new_state(batch, ratio, channels,
                                              overlap, "cpu"))
     assert compile_all(launches, specialize=True) == ["_decode_step_kernel"]

@@ -2,7 +2,7 @@
 
     tokens -> embed -> copy into hc_mult streams -> layers -> hyper head -> norm -> lm_head
     layer:  h = mHC(h, attention(input_layernorm(collapse(h))))
-            h = mHC(h, MoE(post_attention_layernorm(collapse(h)), token ids))
+            h = mHC(h, MoE(post_attention_layernorm(collapse(h)), token ids))   (routed + shared summed in the mHC)
 
 Attention per layer type (sliding / CSA / HCA) is ``deepseek_v4_attention``; the MoE (hash-routed
 in the first ``num_hash_layers`` layers) ``deepseek_v4_moe``; the hyper-connections
@@ -78,8 +78,8 @@ class DecoderLayer(nn.Module):
         y = attention(self.input_layernorm(x))
         h = HyperConnection.expand(y, h, post, comb)
         x, post, comb = self.ffn_hc(h)
-        y = self.mlp(self.post_attention_layernorm(x), input_ids)
-        return HyperConnection.expand(y, h, post, comb)
+        routed, shared = self.mlp.parts(self.post_attention_layernorm(x), input_ids)
+        return HyperConnection.expand(routed, h, post, comb, extra=shared)
 
 
 class MTPLayer(DecoderLayer):

@@ -59,7 +59,7 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.empty(c.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight.to(x.dtype)).float()
+        logits = F.linear(x, self.weight.to(x.dtype))  # x's dtype: the routing widens it as it reads (no cast kernel)
         # one kernel on a GPU without autograd (hash: ~12 torch kernels, else ~10); torch's ops under it
         backend = "reference" if torch.is_grad_enabled() else None
         if self.hashed:
@@ -140,6 +140,12 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x: [T, H]``, ``input_ids: [T]`` (hash routing reads them) -> ``[T, H]``."""
+        routed, shared = self.parts(x, input_ids)
+        return routed + shared
+
+    def parts(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' and the shared expert's outputs ``[T, H]`` each, unsummed: the decoder
+        layer's mHC adds them in its own kernel (``HyperConnection.expand``'s ``extra``)."""
         weights, experts = self.gate(x, input_ids)
         fused = x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
         if fused or self.experts.quantized:
@@ -148,4 +154,4 @@ class DeepseekV4MoE(nn.Module):
                                quantize_activations=fused, swiglu_limit=e.limit, backend=None if fused else "reference")
         else:
             routed = self.experts(x, weights, experts)
-        return routed + self.shared_experts(x)
+        return routed, self.shared_experts(x)

@@ -261,7 +261,7 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
     fresh = plan.fresh
     if plan.decode:  # in place on the state pool; which windows close is the step's (EntryPlan)
         pooled, _ = compress_decode_step(kv, gate, meta.positions, module.position_bias, module.overlap, *state,
-                                         state_slots=plan.slots, fresh=fresh)
+                                         state_slots=plan.slots, fresh=fresh, out_dtype=x.dtype)
     else:
         state_kv = torch.where(fresh[:, None, None], 0.0, state[0][plan.slots])
         state_score = torch.where(fresh[:, None, None], float("-inf"), state[1][plan.slots])
@@ -270,7 +270,8 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
                               start_pos=length - (end - first), state_kv=state_kv[b], state_score=state_score[b])[0]
             for b, (first, end, length) in enumerate(meta.sequence_ranges())])
         state[0][plan.slots], state[1][plan.slots] = state_kv, state_score
-    entries = rope(shared.starts, fused=plan.production).rotate_tail(module.kv_norm(pooled.to(x.dtype)))
+    pooled = pooled.to(x.dtype)  # a decode step's entries come in x's dtype already (no kernel)
+    entries = rope(shared.starts, fused=plan.production).rotate_tail(module.kv_norm(pooled))
     (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, shared.slots)
 
 

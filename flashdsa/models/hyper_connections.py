@@ -77,9 +77,12 @@ class HyperConnection(nn.Module):
                       float(self.norm_eps), backend=_backend(h, self.fn, self.base, self.scale))
 
     @staticmethod
-    def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """The new streams ``post_k * y + sum_j comb[j, k] h_j``; ``y: [T, D]``, ``h: [T, n, D]``."""
-        return hc_post(y, h.contiguous(), post, comb, backend=_backend(y, h, post, comb))
+    def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               extra: torch.Tensor | None = None) -> torch.Tensor:
+        """The new streams ``post_k * y + sum_j comb[j, k] h_j``; ``y: [T, D]``, ``h: [T, n, D]``;
+        ``extra: [T, D]`` a second block output added to y (in the same kernel without autograd)."""
+        tensors = (y, h, post, comb) + (() if extra is None else (extra,))
+        return hc_post(y, h.contiguous(), post, comb, extra=extra, backend=_backend(*tensors))
 
 
 class HyperHead(nn.Module):

@@ -100,6 +100,8 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="positions must be"):
         states = new_state(2, 4, 6, False, "cpu")
         compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1], dtype=torch.int32), bias, False, *states)
+    with pytest.raises(ValueError, match="out_dtype must be one of bf16/fp16/fp32"):
+        compress_decode_step(kv[:2], gate[:2], torch.tensor([0, 1]), bias, False, *states, out_dtype=torch.int32)
 
 
 def test_decode_step_pool_arguments_raise_value_errors_naming_the_argument():

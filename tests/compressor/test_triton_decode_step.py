@@ -1,7 +1,8 @@
 """The Triton compressor decode step against the reference: states bit-equal, entries to fp32
 rounding, over CSA (overlap) and HCA windows of several ratios (non-powers of two too), bf16 and
 fp32 projections with strided rows, a state pool addressed through state_slots, and fresh
-sequences (their old rows full of garbage). Entries the kernel allocates start as NaN. The CPU
+sequences (their old rows full of garbage); bf16 entries (``out_dtype``) bit-equal to the fp32
+ones rounded. Entries the kernel allocates start as NaN. The CPU
 test runs in a TRITON_INTERPRET=1 subprocess; GPU tests are marked ``gpu``.
 """
 
@@ -47,8 +48,17 @@ def check_steps(overlap: bool, ratio: int, dim: int, batch: int, steps: int, dty
             options = dict(state_slots=state_slots.to(device), fresh=fresh.to(device))
         args = [t.to(device) for t in (kv, gate, positions, bias)]
         flood_cuda_allocator_with_nan(torch.device(device))
+        narrow_state = [t.clone() for t in ours]  # the same step with bf16 entries (the model's out_dtype)
+        narrow, _ = compress_decode_step(*args, overlap, *narrow_state, backend="triton", out_dtype=torch.bfloat16,
+                                         **options)
         entries, closed = compress_decode_step(*args, overlap, *ours, backend="triton", **options)
+        theirs_narrow = [t.clone() for t in theirs]
+        want_narrow, _ = compress_decode_step(*args, overlap, *theirs_narrow, backend="reference",
+                                              out_dtype=torch.bfloat16, **options)
         want, want_closed = compress_decode_step(*args, overlap, *theirs, backend="reference", **options)
+        assert narrow.dtype == want_narrow.dtype == torch.bfloat16
+        assert torch.equal(narrow, entries.bfloat16()) and torch.equal(want_narrow, want.bfloat16()), f"seed {SEED}"
+        assert all(torch.equal(a, b) for a, b in zip(narrow_state + theirs_narrow, ours + theirs)), f"seed {SEED}"
         what = f"seed {SEED}, overlap {overlap}, ratio {ratio}, step {step}"
         assert closed.dtype == torch.bool and torch.equal(closed, want_closed), what
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), f"state: {what}"

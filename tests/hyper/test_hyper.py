@@ -64,6 +64,13 @@ def check_pre_post(tokens: int, n: int, dim: int, dtype: torch.dtype, device, it
     flood_cuda_allocator_with_nan(torch.device(device))
     assert_streams_close(hc_post(y, h, got[1], got[2], backend="triton"),
                          hc_post(y, h, got[1], got[2], backend="reference"), f"post T={tokens} n={n} D={dim}")
+    # a second block output (V4's shared expert): bit for bit the kernel on torch's rounded sum
+    extra = torch.randn(tokens, dim + 4, dtype=dtype, device=device)[:, :dim]
+    flood_cuda_allocator_with_nan(torch.device(device))
+    fused = hc_post(y, h, got[1], got[2], extra=extra, backend="triton")
+    assert torch.equal(fused, hc_post(y + extra, h, got[1], got[2], backend="triton")), f"extra: seed {SEED}"
+    assert_streams_close(fused, hc_post(y, h, got[1], got[2], extra=extra, backend="reference"),
+                         f"post + extra T={tokens} n={n} D={dim}")
 
 
 def check_head(tokens: int, n: int, dim: int, dtype: torch.dtype, device) -> None:
@@ -140,6 +147,8 @@ def test_hc_pre_bad_arguments_name_themselves(change, message):
 @pytest.mark.parametrize("change, message", [
     (dict(y=torch.ones(2, 8, dtype=torch.bfloat16)), "y must be"), (dict(y=torch.ones(3, 8)), "y must be"),
     (dict(y=torch.ones(8, 2).t()), "y must have a contiguous last dim"),
+    (dict(extra=torch.ones(2, 8, dtype=torch.bfloat16)), "extra must be"), (dict(extra=torch.ones(2, 7)), "extra must be"),
+    (dict(extra=torch.ones(8, 2).t()), "extra must have a contiguous last dim"),
     (dict(post=torch.ones(2, 3)), "post must be"), (dict(comb=torch.ones(2, 4, 4, dtype=torch.bfloat16)), "comb must be")])
 def test_hc_post_bad_arguments_name_themselves(change, message):
     args = dict(y=torch.ones(2, 8), h=torch.ones(2, 4, 8), post=torch.ones(2, 4), comb=torch.ones(2, 4, 4)) | change

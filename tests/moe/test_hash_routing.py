@@ -121,7 +121,7 @@ def test_triton_hash_routing_takes_sqrtsoftplus_and_sigmoid_not_softmax():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 [T, E]"),
+    (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 (or bf16/fp16) [T, E]"),
     (dict(router_logits=torch.zeros(8, 2).T), "router_logits must have contiguous rows"),
     (dict(tid2eid=torch.zeros(5, 2)), "tid2eid must be int64/int32 [V, top_k]"),
     (dict(tid2eid=torch.zeros(5, 0, dtype=torch.int64)), "tid2eid must be int64/int32 [V >= 1, top_k >= 1]"),
@@ -148,14 +148,27 @@ def test_reference_is_differentiable_in_the_logits():
     assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 
+def test_bf16_logits_route_as_their_fp32_widening(backend=None):
+    """A bf16 router GEMM's output goes in as it is (no cast kernel): the same experts and bit-equal
+    weights as its exact fp32 widening, strided rows included."""
+    g = generator(16)
+    logits = (torch.randn(6, 40, generator=g) * 3).bfloat16()[:, :32]
+    table, token_ids = random_table(10, 32, 6, g), torch.randint(0, 10, (6,), generator=g)
+    for scoring in ("sqrtsoftplus", "sigmoid"):
+        got = hash_experts(logits, table, token_ids, 1.5, scoring=scoring, backend=backend)
+        want = hash_experts(logits.float(), table, token_ids, 1.5, scoring=scoring, backend=backend)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), f"seed {SEED}"
+
+
 def triton_cases() -> None:
-    """Every case on the triton backend (softmax is the reference's alone)."""
+    """Every case on the triton backend (softmax is the reference's alone), bf16 logits too."""
     for case in CASES:
         for scoring in ("sqrtsoftplus", "sigmoid"):
             test_hash_routing_matches_the_restated_math(*case, scoring, backend="triton")
     test_tied_scores_and_repeated_experts_keep_the_table_order(backend="triton")
     test_every_expert_of_the_table_and_int32_inputs(backend="triton")
     test_ids_outside_the_table_or_the_experts_route_nowhere(backend="triton")
+    test_bf16_logits_route_as_their_fp32_widening(backend="triton")
 
 
 def test_triton_hash_routing_under_interpreter():

@@ -93,8 +93,23 @@ def test_triton_routing_takes_sqrtsoftplus_not_softmax():
         select_experts(torch.zeros(2, 8), torch.zeros(8), 2, 1, 1, True, 1.0, scoring="tanh")
 
 
+def test_bf16_logits_route_as_their_fp32_widening(backend=None):
+    """A bf16 router GEMM's output goes in as it is (no cast kernel): the same experts and bit-equal
+    weights as its exact fp32 widening, for V4's scores (256 experts, top-6) and V3.2's groups,
+    ties included (the tied logits are exact in bf16)."""
+    g = generator(4)
+    for logits in ((torch.randn(7, 256, generator=g) * 3).bfloat16(), tied_logits(5, 256, g).bfloat16()):
+        bias = torch.randn(256, generator=g) * 0.01
+        for args in ((6, 1, 1, True, 1.5, "sqrtsoftplus"), (8, 8, 4, True, 2.5, "sigmoid")):
+            *rest, scoring = args
+            got = select_experts(logits, bias, *rest, scoring=scoring, backend=backend)
+            want = select_experts(logits.float(), bias, *rest, scoring=scoring, backend=backend)
+            assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), f"seed {SEED}"
+
+
 def triton_cases() -> None:
-    """Every case on the triton backend, with and without ties, plus unnormalized weights and V4's scores."""
+    """Every case on the triton backend, with and without ties, plus unnormalized weights, V4's
+    scores and bf16 logits."""
     for case in CASES:
         for ties in (False, True):
             test_routing_matches_the_restated_math(*case, ties, backend="triton")
@@ -102,6 +117,7 @@ def triton_cases() -> None:
     check_routing(torch.randn(6, 32, generator=g), torch.randn(32, generator=g), 4, 4, 2, False, 1.5, "triton")
     for case in [(7, 256, 6), (5, 64, 8), (3, 9, 2)]:
         test_deepseek_v4_scorings_match_the_restated_math(*case, "sqrtsoftplus", backend="triton")
+    test_bf16_logits_route_as_their_fp32_widening(backend="triton")
 
 
 def test_triton_routing_under_interpreter():
@@ -140,6 +156,22 @@ def test_triton_routing_equals_reference_on_gpu(tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_triton_routing_of_bf16_logits_equals_their_widening_on_gpu(tokens):
+    """V4-Flash's routed layers (256 experts, top-6, sqrt(softplus)): bf16 logits, read as they
+    are, route exactly as their fp32 widening does, on the kernel and against the reference."""
+    g = generator(5, tokens)
+    logits = (torch.randn(tokens, 256, generator=g) * 3).bfloat16().cuda()
+    bias = (torch.randn(256, generator=g) * 0.01).cuda()
+    got_w, got_ids = select_experts(logits, bias, 6, 1, 1, True, 1.5, scoring="sqrtsoftplus", backend="triton")
+    want_w, want_ids = select_experts(logits.float(), bias, 6, 1, 1, True, 1.5, scoring="sqrtsoftplus",
+                                      backend="triton")
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w), f"seed {SEED}"
+    ref_w, ref_ids = select_experts(logits, bias, 6, 1, 1, True, 1.5, scoring="sqrtsoftplus", backend="reference")
+    assert (got_ids == ref_ids).all(1).float().mean() >= 0.995, f"seed {SEED}"
+
+
+@pytest.mark.gpu
 def test_routing_on_gpu_matches_and_never_syncs():
     g = generator(2)
     logits, bias = tied_logits(300, 256, g), torch.randn(256, generator=g) * 0.01
@@ -153,7 +185,7 @@ def test_routing_on_gpu_matches_and_never_syncs():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 [T, E]"),
+    (dict(router_logits=torch.zeros(2, 8).double()), "router_logits must be fp32 (or bf16/fp16) [T, E]"),
     (dict(bias=torch.zeros(7)), "bias must be fp32 (or bf16/fp16) [E=8]"),
     (dict(bias=torch.zeros(8, dtype=torch.int32)), "bias must be fp32 (or bf16/fp16) [E=8]"),
     (dict(n_group=3), "n_group (3) must divide the number of experts (8)"),

@@ -88,7 +88,7 @@ def compress_sequence(
 def compress_decode_step(
     kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor, overlap: bool,
     state_kv: torch.Tensor, state_score: torch.Tensor, *, state_slots: Optional[torch.Tensor] = None,
-    fresh: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+    fresh: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32, backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add one token per sequence to its compressor state; graph-capturable (no host sync).
 
@@ -99,13 +99,16 @@ def compress_decode_step(
             ``state_slots`` a pool ``[S, W, C]`` of which sequence b owns row ``state_slots[b]``.
         state_slots: optional ``[B]`` int64 distinct rows in ``[0, S)``.
         fresh: optional ``[B]`` bool: sequence b starts from an empty state (its old row is ignored).
+        out_dtype: the entries' dtype (fp32, bf16 or fp16): the fp32 entries rounded once, as their
+            ``.to(out_dtype)`` would be, without that cast's kernel (the model norms them in its dtype).
 
     Returns:
-        (entries ``[B, D]`` fp32, closed ``[B]`` bool): entry b is a new compressed entry where
+        (entries ``[B, D]`` out_dtype, closed ``[B]`` bool): entry b is a new compressed entry where
         closed[b] (the token ended its window: position % ratio == ratio - 1), else meaningless
         (the triton backend writes 0 there).
     """
     ratio, channels = _check_inputs(kv, gate, position_bias, overlap, "B")
+    check(out_dtype in FLOATS, f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype!r}")
     batch = kv.shape[0]
     check_tensor("positions", positions, torch.int64, [batch], f"int64 [B={batch}]", kv.device)
     if fresh is not None:
@@ -121,4 +124,4 @@ def compress_decode_step(
             check(0 <= low and high < state_kv.shape[0],
                   f"state_slots must lie in [0, {state_kv.shape[0]}), got [{low}, {high}]")
     impl = dispatch.select("compress_decode_step", kv.device, backend)
-    return impl(kv, gate, positions, position_bias, overlap, state_kv, state_score, state_slots, fresh)
+    return impl(kv, gate, positions, position_bias, overlap, state_kv, state_score, state_slots, fresh, out_dtype)

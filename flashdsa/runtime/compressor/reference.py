@@ -76,11 +76,21 @@ def compress_sequence(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch
 def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor,
                          overlap: bool, state_kv: torch.Tensor, state_score: torch.Tensor,
                          state_slots: Optional[torch.Tensor] = None, fresh: Optional[torch.Tensor] = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """One new token per sequence: ``kv, gate: [B, C]`` at ``positions: [B]``. Writes it into the
     states ``state_*[state_slots]`` (all of ``state_*: [B, W, C]`` without state_slots; in place), emptied first
-    where ``fresh``; returns (entries ``[B, D]`` fp32, closed ``[B]`` bool): the entry is meaningful
+    where ``fresh``; returns (entries ``[B, D]`` in ``out_dtype``, closed ``[B]`` bool): the entry is meaningful
     where the token closed its window (``p % ratio == ratio - 1``). No host sync."""
+    entries, closed = _slotted_decode_step(kv, gate, positions, position_bias, overlap, state_kv, state_score,
+                                           state_slots, fresh)
+    return entries.to(out_dtype), closed
+
+
+def _slotted_decode_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor,
+                         overlap: bool, state_kv: torch.Tensor, state_score: torch.Tensor,
+                         state_slots: Optional[torch.Tensor], fresh: Optional[torch.Tensor],
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compress_decode_step` before the entries' cast."""
     if state_slots is None and fresh is None:
         return _decode_step(kv, gate, positions, position_bias, overlap, state_kv, state_score)
     rows = torch.arange(kv.shape[0], device=kv.device) if state_slots is None else state_slots

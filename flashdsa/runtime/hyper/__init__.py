@@ -97,18 +97,24 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 
 def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
-            backend: Optional[str] = None) -> torch.Tensor:
+            extra: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
     """One mHC site after its block: the new streams ``post_k * y + sum_j comb[j, k] h_j``.
 
     ``y: [T, D]`` the block's output (h's dtype; rows may be strided, last dim contiguous),
     ``h: [T, n, D]`` the streams the site read, ``post: [T, n]`` and ``comb: [T, n, n]`` fp32 from
-    :func:`hc_pre`. Returns ``[T, n, D]`` in h's dtype; post and comb are rounded to it first and
-    the two terms each rounded before their sum, as the torch expression does.
+    :func:`hc_pre`. ``extra``: optionally a second block output ``[T, D]`` like y (V4's shared
+    expert beside the routed ones), added to y in h's dtype first: the result is bit for bit
+    ``hc_post(y + extra, ...)``, without that sum's kernel. Returns ``[T, n, D]`` in h's dtype; post
+    and comb are rounded to it first and the two terms each rounded before their sum, as the torch
+    expression does.
     """
     tokens, n, dim = _check_streams(h)
-    check_tensor("y", y, h.dtype, [tokens, dim], f"{h.dtype} [T={tokens}, D={dim}] like h", h.device, contiguous=False)
-    check(tokens == 0 or y.stride(-1) == 1, f"y must have a contiguous last dim, got strides {y.stride()}")
+    for name, t in (("y", y), ("extra", extra)):
+        if name == "y" or t is not None:
+            check_tensor(name, t, h.dtype, [tokens, dim], f"{h.dtype} [T={tokens}, D={dim}] like h", h.device,
+                         contiguous=False)
+            check(tokens == 0 or t.stride(-1) == 1, f"{name} must have a contiguous last dim, got strides {t.stride()}")
     check_tensor("post", post, torch.float32, [tokens, n], f"float32 [T={tokens}, n={n}]", h.device)
     check_tensor("comb", comb, torch.float32, [tokens, n, n], f"float32 [T={tokens}, n={n}, n={n}]", h.device)
     impl = dispatch.select("hc_post", h.device, backend, n=n)
-    return impl(y, h, post, comb)
+    return impl(y, h, post, comb, extra)

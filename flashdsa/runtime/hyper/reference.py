@@ -59,7 +59,10 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return _collapse(torch.sigmoid(_mixes(h, fn, norm_eps) * scale + base) + hc_eps, h)
 
 
-def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """The new streams ``post_k * y + sum_j comb[j, k] h_j`` ``[T, n, D]``, in h's dtype."""
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The new streams ``post_k * y + sum_j comb[j, k] h_j`` ``[T, n, D]``, in h's dtype (``extra``
+    added to y first)."""
     dtype = h.dtype
+    y = y if extra is None else y + extra
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)

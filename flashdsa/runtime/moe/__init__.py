@@ -60,6 +60,7 @@ def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequ
 
 SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's scoring_func choices
 TRITON_SCORINGS = ("sigmoid", "sqrtsoftplus")
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # router logits; 16-bit ones widened as read
 SWIGLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: reference only (gradchecks)
 TRITON_SWIGLU_DTYPES = SWIGLU_DTYPES[:3]
 
@@ -99,7 +100,8 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     """DeepSeek-V3 group-limited routing over sigmoid scores (or DeepSeek-V4's ``scoring``:
     ``sqrtsoftplus`` = sqrt(softplus(logits)), or ``softmax`` over the row), on the device with no sync.
 
-    router_logits: [T, E] fp32 (``x @ W_gate^T``); bias: [E] fp32 (bf16/fp16 widened),
+    router_logits: [T, E] fp32 (``x @ W_gate^T``; bf16/fp16 are widened exactly as they are read, so a
+    bf16 GEMM's output needs no cast); bias: [E] fp32 (bf16/fp16 widened),
     ``e_score_correction_bias``.
     Scores ``s = sigmoid(logits)``; the choice ranks ``s + bias``: the ``topk_group`` of the
     ``n_group`` equal groups with the largest sum of their two best are kept, then the ``top_k``
@@ -110,7 +112,7 @@ def select_experts(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, 
     (never outside [0, E)). The triton backend is one kernel a token (the reference ~15 torch
     kernels): the same experts, the weights within an ulp (the chosen scores summed in another order).
     """
-    check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]")
+    check_tensor("router_logits", router_logits, LOGIT_DTYPES, [None, None], "fp32 (or bf16/fp16) [T, E]")
     num_experts = router_logits.shape[1]
     check_tensor("bias", bias, (torch.float32, torch.bfloat16, torch.float16), [num_experts],
                  f"fp32 (or bf16/fp16) [E={num_experts}]", router_logits.device)
@@ -143,7 +145,8 @@ def hash_experts(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: 
     """DeepSeek-V4's hash routing: each token takes the ``top_k`` experts its id's row of a table
     fixed at training gives, weighted by their scores normalized to sum 1, on the device with no sync.
 
-    router_logits: [T, E] fp32 (``x @ W_gate^T``; rows may be strided); tid2eid: [V, top_k] int64
+    router_logits: [T, E] fp32 or bf16/fp16 (``x @ W_gate^T``; rows may be strided; widened exactly as
+    :func:`select_experts` does); tid2eid: [V, top_k] int64
     or int32, the experts of each token id; input_ids: [T] int64 or int32 token ids.
     Scores ``s = scoring(logits)`` (``sqrtsoftplus``, ``sigmoid`` or ``softmax`` over the row, as
     :func:`select_experts`); the weights are the chosen experts' ``s``, divided by their sum
@@ -154,7 +157,8 @@ def hash_experts(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: 
     ``top_k`` logits (softmax needs the whole row: reference only): the same experts, the
     weights within an ulp (the chosen scores summed in another order).
     """
-    check_tensor("router_logits", router_logits, torch.float32, [None, None], "fp32 [T, E]", contiguous=False)
+    check_tensor("router_logits", router_logits, LOGIT_DTYPES, [None, None], "fp32 (or bf16/fp16) [T, E]",
+                 contiguous=False)
     tokens, num_experts = router_logits.shape
     check(router_logits.stride(1) == 1, f"router_logits must have contiguous rows, got strides {router_logits.stride()}")
     device = router_logits.device

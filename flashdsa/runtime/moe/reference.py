@@ -24,7 +24,9 @@ def _descending(x: torch.Tensor) -> torch.Tensor:
 
 
 def routing_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    """The experts' scores ``[T, E]`` fp32: sigmoid (DeepSeek-V3), sqrt(softplus) or softmax (V4's options)."""
+    """The experts' scores ``[T, E]`` fp32 of fp32 (or bf16/fp16, widened) logits: sigmoid
+    (DeepSeek-V3), sqrt(softplus) or softmax (V4's options)."""
+    router_logits = router_logits.float()
     if scoring == "sqrtsoftplus":
         return torch.nn.functional.softplus(router_logits).sqrt()
     return router_logits.softmax(dim=-1) if scoring == "softmax" else router_logits.sigmoid()

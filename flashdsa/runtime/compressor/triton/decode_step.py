@@ -101,7 +101,8 @@ def _decode_step_kernel(kv_ptr, gate_ptr, pos_ptr, bias_ptr, slots_ptr, fresh_pt
                     tl.where(closed, score_hi, float("-inf")), moved)
         _store_pair(state_kv_ptr, state_score_ptr, open_at + c[None, :], tl.where(keep, new_lo[None, :], 0.0),
                     tl.where(keep, new_score_lo[None, :], float("-inf")), emptied)
-    tl.store(entries_ptr + b.to(tl.int64) * dim + c, tl.where(closed, entry, 0.0), mask=c_ok)
+    entry = tl.where(closed, entry, 0.0).to(entries_ptr.dtype.element_ty)  # one rounding to the entries' dtype
+    tl.store(entries_ptr + b.to(tl.int64) * dim + c, entry, mask=c_ok)
     if tl.program_id(1) == 0:
         tl.store(closed_ptr + b, closed.to(tl.uint8))
 
@@ -109,11 +110,11 @@ def _decode_step_kernel(kv_ptr, gate_ptr, pos_ptr, bias_ptr, slots_ptr, fresh_pt
 def compress_decode_step(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, position_bias: torch.Tensor,
                          overlap: bool, state_kv: torch.Tensor, state_score: torch.Tensor,
                          state_slots: Optional[torch.Tensor] = None, fresh: Optional[torch.Tensor] = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     batch, channels = kv.shape
     ratio = position_bias.shape[0]
     dim = channels // 2 if overlap else channels
-    entries = torch.empty(batch, dim, dtype=torch.float32, device=kv.device)
+    entries = torch.empty(batch, dim, dtype=out_dtype, device=kv.device)
     closed = torch.empty(batch, dtype=torch.uint8, device=kv.device)
     if batch == 0:
         return entries, closed.view(torch.bool)

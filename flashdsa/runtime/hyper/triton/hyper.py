@@ -6,7 +6,8 @@ split s of the flattened streams (K = n D), fp32 FMA dot (``ieee``: no TF32). ``
 sums the splits, scales the raw mixes by ``rsqrt(mean(h^2) + eps)`` (the RMS normalization moved
 past the linear map), then sigmoid / softmax / Sinkhorn on the n x n matrix in registers and the
 collapse ``sum_i pre_i h_i`` of its D block; every D block recomputes the (tiny) mixes, the first
-writes post and comb. ``_post_kernel``: ``post_k y + sum_j comb[j, k] h_j`` with torch's roundings.
+writes post and comb. ``_post_kernel``: ``post_k y + sum_j comb[j, k] h_j`` with torch's roundings
+(y optionally the rounded sum of two block outputs).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def _pre_kernel(part_ptr, sq_ptr, h_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, c
 
 
 @triton.jit
-def _post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, dim, stride_y, N: tl.constexpr, NP: tl.constexpr,
-                 BD: tl.constexpr):
+def _post_kernel(y_ptr, extra_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, dim, stride_y, stride_e, N: tl.constexpr,
+                 NP: tl.constexpr, BD: tl.constexpr, EXTRA: tl.constexpr):
     t = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     d_ok = d < dim
@@ -97,6 +98,9 @@ def _post_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, dim, stride_y, N: tl
     i_ok = i < N
     dtype = h_ptr.dtype.element_ty
     y = tl.load(y_ptr + t.to(tl.int64) * stride_y + d, mask=d_ok, other=0.0).to(tl.float32)
+    if EXTRA:  # y + extra rounded to the streams' dtype, as torch's sum of the two
+        y = (y + tl.load(extra_ptr + t.to(tl.int64) * stride_e + d, mask=d_ok, other=0.0).to(tl.float32))
+        y = y.to(dtype).to(tl.float32)
     post = tl.load(post_ptr + t * N + i, mask=i_ok, other=0.0).to(dtype).to(tl.float32)
     ij_ok = i_ok[:, None] & i_ok[None, :]
     comb = tl.load(comb_ptr + t * N * N + i[:, None] * N + i[None, :], mask=ij_ok, other=0.0).to(dtype).to(tl.float32)
@@ -154,13 +158,15 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return _pre(h, fn, base, scale, 1, hc_eps, norm_eps, comb=False)[0]
 
 
-def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            extra: torch.Tensor | None = None) -> torch.Tensor:
     tokens, n, dim = h.shape
     out = torch.empty_like(h)
     if tokens == 0:
         return out
     padded = _padded(n)
     block = min(triton.next_power_of_2(dim), max(16, POST_ELEMENTS // padded))
-    _post_kernel[(tokens, triton.cdiv(dim, block))](y, h, post, comb, out, dim, y.stride(0), N=n, NP=padded, BD=block,
-                                                    num_warps=4)
+    second = y if extra is None else extra  # never read without EXTRA
+    _post_kernel[(tokens, triton.cdiv(dim, block))](y, second, h, post, comb, out, dim, y.stride(0), second.stride(0),
+                                                    N=n, NP=padded, BD=block, EXTRA=extra is not None, num_warps=4)
     return out

@@ -9,7 +9,8 @@ rounds of "best available expert, lowest index on ties" - the order of the refer
 descending sort. On a GPU the sigmoid is libdevice's ``expf`` and an IEEE division, as torch's
 kernel computes it, so the experts chosen equal the reference's; the interpreter (no libdevice)
 uses NumPy's exp. NaN choices count as -inf, so every id stays inside [0, E). The hash routing
-reads only its token's ``top_k`` logits and scores them with the same functions.
+reads only its token's ``top_k`` logits and scores them with the same functions. bf16/fp16 logits
+are widened to fp32 as they are loaded (exact), so the router GEMM's output needs no cast kernel.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
     p = tl.arange(0, P_BLOCK)[None, :]
     inside = (g[:, None] < n_group) & (p < per_group)
     expert = g[:, None] * per_group + p  # [G, P]
-    logits = tl.load(logits_ptr + t * stride_l + expert, mask=inside, other=0.0)
+    logits = tl.load(logits_ptr + t * stride_l + expert, mask=inside, other=0.0).to(tl.float32)
     if SQRT_SOFTPLUS:
         scores = _sqrt_softplus(logits, LIBDEVICE)
     else:
@@ -110,7 +111,7 @@ def _hash_route_kernel(logits_ptr, table_ptr, tokens_ptr, weights_ptr, ids_ptr, 
     entry = tl.load(table_ptr + token * TOP_K + k, mask=known & (k < TOP_K), other=-1)
     valid = (entry >= 0) & (entry < num_experts)  # an entry outside [0, E) is -1, never dereferenced
     ids = tl.where(valid, entry, -1).to(tl.int32)
-    logits = tl.load(logits_ptr + t * stride_l + ids, mask=valid, other=0.0)
+    logits = tl.load(logits_ptr + t * stride_l + ids, mask=valid, other=0.0).to(tl.float32)
     if SQRT_SOFTPLUS:
         scores = _sqrt_softplus(logits, LIBDEVICE)
     else:
