@@ -4,7 +4,8 @@ inputs and dispatch to a backend. Range and block-table values are read back to 
 device sync per call) except inside ``checks.trusted_values()``, which the engine uses.
 
 Registered backends (lazy "module:function" targets; backend functions take the public
-function's arguments positionally, already validated, with ``starts``/``ends`` always tensors):
+function's arguments positionally, already validated; ``indexer_topk``'s ``starts``/``ends`` are
+both tensors or both None, whole rows, and the other ops' are always tensors):
   hadamard_transform     reference  flashdsa.runtime.indexer.reference:hadamard_transform
                          triton     flashdsa.runtime.indexer.triton.hadamard:hadamard_transform
   rotate_quantize_indexer reference flashdsa.runtime.indexer.reference:rotate_quantize_indexer
