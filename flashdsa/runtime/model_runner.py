@@ -135,8 +135,7 @@ class ModelRunner:
                 fill: Optional[TokenFill] = None) -> torch.Tensor:
         """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
         if self.leader is not None:
-            assert fill is None, "tensor-parallel ranks take every input id from the host"
-            steps.send(self.leader, (input_ids, meta, decode))
+            steps.send_step(self.leader, input_ids, meta, decode, fill)
         return self.execute(input_ids, meta, decode, fill)
 
     @torch.inference_mode()

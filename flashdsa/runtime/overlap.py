@@ -7,7 +7,9 @@ the device from step n's sampled tokens (``TokenFill``), never through the host.
 sampled on the device and its tokens (and logprobs) start their copy to the host behind it
 (``HostCopy``); only then does the host wait for step n's tokens and process them (stop
 conditions, text, outputs) while step n+1 runs. So ``step()`` returns the previous step's
-outputs, and the only wait for the GPU in a decode step is that one read-back.
+outputs, and the only wait for the GPU in a decode step is that one read-back. Under tensor
+parallelism rank 0 broadcasts the sampled tokens a step takes to the other ranks over the device
+group, on the stream (``parallel.steps``).
 
 A sequence that finishes on a token of step n (EOS, a stop string or id) ran one wasted token in
 step n+1: the token is dropped and the blocks are freed when step n is processed (step n+1's cache
@@ -40,7 +42,6 @@ as without async scheduling) when
   each) of plain requests (``speculative.plain_request``): a prefill or mixed step, a seeded
   sampled request (its host generator's draws depend on the outcome), logprobs, logit bias,
   penalties, grammars, min_tokens pending,
-- the engine runs tensor parallel (the other ranks take their input ids from rank 0's host),
 - its overlapped launch raised (a failing forward or sampler): the synchronous path then runs it
   again and finds the requests at fault one at a time, as without async scheduling.
 A synchronous step planned behind a speculative one settles its chunks first
@@ -68,8 +69,6 @@ NewTokens = tuple[list[int], list[Optional[TokenLogprobs]]]
 
 def overlappable(chunks: list[ScheduledChunk], runner: "ModelRunner") -> bool:
     """Whether the step of ``chunks`` may run overlapped (see the module docstring for why not)."""
-    if runner.leader is not None:
-        return False
     if runner.speculative:
         return verifiable_on_device(chunks)
     for chunk in chunks:

@@ -28,10 +28,13 @@ def single(checkpoint):
     return _greedy(LLM(checkpoint, mode="reference", max_num_seqs=2))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
-def test_two_ranks_give_the_single_process_greedy_tokens(checkpoint, single, expert_parallel):
+def test_two_ranks_give_the_single_process_greedy_tokens(checkpoint, single, expert_parallel, async_scheduling):
+    """Async: the steps' last input ids reach the worker in the device-group broadcast behind each
+    step message (``parallel.steps.send_step``), not in the message."""
     llm = LLM(checkpoint, mode="reference", max_num_seqs=2, tensor_parallel_size=2,
-              enable_expert_parallel=expert_parallel)
+              enable_expert_parallel=expert_parallel, async_scheduling=async_scheduling)
     assert llm.engine.runner.model.shard.size == 2
     assert _greedy(llm) == single
 
@@ -43,3 +46,23 @@ def test_a_second_engine_on_a_parallel_model_rebuilds_the_workers_runner(checkpo
     first.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
     second = LLM(first.engine.runner.model, first.tokenizer, max_num_seqs=3, num_blocks=12)
     assert _greedy(second) == single
+
+
+@pytest.mark.gpu
+def test_async_scheduling_on_two_gpus_gives_the_synchronous_tokens(checkpoint):
+    """Production mode (FP8 caches, CUDA graphs, NCCL): the overlapped steps, whose last input ids
+    reach rank 1 in an NCCL broadcast, give the synchronous steps' greedy tokens."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    llm = LLM(checkpoint, max_num_seqs=4, tensor_parallel_size=2, enforce_eager=False)
+    try:
+        assert llm.engine.runner.graphs is not None
+        tokens = {}
+        for overlapped in (True, False):
+            llm.engine.async_scheduling = overlapped
+            tokens[overlapped] = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        assert tokens[True] == tokens[False]
+    finally:
+        llm.close()

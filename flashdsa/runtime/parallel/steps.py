@@ -3,20 +3,27 @@
 Rank 0 owns the scheduler, the block manager and the sampler; the other ranks own only their
 part of the model and their copy of the caches. Messages go over the gloo ``cpu_group`` as
 pickled CPU tensors (one broadcast a step): first the :class:`RunnerSpec` the model runner was
-built with (the same caches and CUDA graphs on every rank), then one ``(input_ids, meta, decode)``
-per step (a new RunnerSpec when rank 0 builds another engine on the model), then None to stop.
+built with (the same caches and CUDA graphs on every rank), then one :class:`Step` per step (a
+new RunnerSpec when rank 0 builds another engine on the model), then None to stop.
+
+Under async scheduling a step's last input ids are the tokens rank 0 sampled in the step still
+running, which only rank 0's device holds (``transfer.TokenFill``). The step message then carries
+the fill's host indices, and the tokens themselves follow over the device group (NCCL on GPUs):
+one broadcast queued on the stream, which no host waits for.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from flashdsa.runtime.parallel.shard import Shard
+from flashdsa.runtime.transfer import TokenFill
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +38,62 @@ class RunnerSpec:
     enforce_eager: bool
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step's host inputs (``ModelRunner.execute``'s arguments) and, under async scheduling,
+    its ``TokenFill`` without the device tensor: ``fill_numel`` int64 tokens (0: no fill) that
+    rank 0 broadcasts right after this message."""
+
+    input_ids: torch.Tensor
+    meta: Any
+    decode: bool
+    fill_numel: int = 0
+    fill_ids: tuple[int, ...] = ()
+
+    def __reduce__(self):
+        """Pickled with NumPy arrays in place of the tensors: ten times cheaper both ways at batch 128."""
+        fields = {name: _to_numpy(value) for name, value in vars(self.meta).items()}
+        return _rebuild_step, (_to_numpy(self.input_ids), type(self.meta), fields, self.decode, self.fill_numel,
+                               self.fill_ids)
+
+
+def _to_numpy(value: Any) -> Any:
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _to_tensor(value: Any) -> Any:
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+
+def _rebuild_step(input_ids: np.ndarray, meta_type: type, fields: dict, decode: bool, fill_numel: int,
+                  fill_ids: tuple[int, ...]) -> Step:
+    meta = meta_type(**{name: _to_tensor(value) for name, value in fields.items()})
+    return Step(torch.from_numpy(input_ids), meta, decode, fill_numel, fill_ids)
+
+
 def send(shard: Shard, message: Any) -> None:
     """Rank 0: broadcast ``message`` (a RunnerSpec, a step, or None to stop) to the other ranks."""
     dist.broadcast_object_list([message], src=0, group=shard.cpu_group)
+
+
+def send_step(shard: Shard, input_ids: torch.Tensor, meta: Any, decode: bool, fill: Optional[TokenFill]) -> None:
+    """Rank 0: send a step, then the device tokens its ``fill`` takes (stream-ordered, no host wait)."""
+    if fill is None:
+        send(shard, Step(input_ids, meta, decode))
+        return
+    if fill.moves is not None:
+        raise ValueError("tensor-parallel steps do not move sequences on the device (speculative decoding is one GPU)")
+    send(shard, Step(input_ids, meta, decode, fill.source.numel(), tuple(fill.ids)))
+    dist.broadcast(fill.source.contiguous(), src=0)
+
+
+def _receive_fill(step: Step, device: torch.device) -> Optional[TokenFill]:
+    """A worker's copy of rank 0's fill for ``step`` (its tokens arrive over the device group)."""
+    if not step.fill_numel:
+        return None
+    source = torch.empty(step.fill_numel, dtype=torch.int64, device=device)
+    dist.broadcast(source, src=0)
+    return TokenFill(source, list(step.fill_ids))
 
 
 def receive(shard: Shard) -> Any:
@@ -58,5 +118,5 @@ def follow(model) -> None:
             runner = ModelRunner(model, message.num_blocks, model.device, message.max_num_seqs,
                                  message.max_model_len, message.enforce_eager)
         else:
-            runner.execute(*message)
+            runner.execute(message.input_ids, message.meta, message.decode, _receive_fill(message, model.device))
     logger.info("rank %d: stopped by rank 0", model.shard.rank)
