@@ -133,8 +133,11 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, decode: bool = False,
                 fill: Optional[TokenFill] = None) -> torch.Tensor:
-        """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits."""
+        """Run one step given as CPU tensors on every rank (rank 0 sends it to the others): logits.
+        The others replay a graph exactly where rank 0 does (their collectives must pair up with its
+        own), so rank 0 sends its own choice as ``decode``."""
         if self.leader is not None:
+            decode = self._graphed(decode, meta)
             steps.send_step(self.leader, input_ids, meta, decode, fill)
         return self.execute(input_ids, meta, decode, fill)
 

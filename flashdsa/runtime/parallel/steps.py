@@ -40,7 +40,8 @@ class RunnerSpec:
 
 @dataclass(frozen=True)
 class Step:
-    """One step's host inputs (``ModelRunner.execute``'s arguments) and, under async scheduling,
+    """One step's host inputs (``ModelRunner.execute``'s arguments; ``decode``: rank 0 replays a
+    decode graph, so the others do too) and, under async scheduling,
     its ``TokenFill`` without the device tensor: ``fill_numel`` int64 tokens (0: no fill) that
     rank 0 broadcasts right after this message."""
 
