@@ -24,7 +24,11 @@ scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-s
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import io
 import logging
+import pstats
 import statistics
 import sys
 import tempfile
@@ -185,9 +189,11 @@ def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLME
 
 
 def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float,
-                 modes: tuple[bool, ...] = (True,), profile: bool = False) -> list[Row]:
+                 modes: tuple[bool, ...] = (True,), profile: bool = False, host_profile: bool = False) -> list[Row]:
     """One row per async-scheduling mode in ``modes``, timed in turn on the same prefilled batch
-    (the engine switches mode between steps: the first synchronous step reads the last overlapped one)."""
+    (the engine switches mode between steps: the first synchronous step reads the last overlapped one).
+    ``host_profile``: log where the host spends the timed steps (cProfile, top functions by own time:
+    a wait on the GPU shows as ``synchronize``, a tensor-parallel step message as ``broadcast``)."""
     per_mode = steps + 8  # timed, profiled and settling steps
     engine = make_engine(model, tokenizer, batch, context + per_mode * len(modes) + 16, eager)
     gen = torch.Generator().manual_seed(batch * context)
@@ -204,10 +210,16 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
         engine.async_scheduling = overlapped
         engine.step()  # settle into the mode
         times = []
+        profiler = cProfile.Profile() if host_profile else None
         for _ in range(steps):
             t0 = time.perf_counter()
-            engine.step()
+            with profiler or contextlib.nullcontext():
+                engine.step()
             times.append(time.perf_counter() - t0)
+        if profiler is not None:
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+            log.info("host profile of %d steps, b=%d ctx=%d:\n%s", steps, batch, context, text.getvalue())
         mode = ("async" if overlapped else "sync") + (", eager" if eager else "")
         busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context} {mode}" if profile else "")
         ms = statistics.median(times) * 1e3

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
     for point in filter(None, args.decode.split(",")):
         batch, context = map(int, point.split("x"))
-        rows += [r.__dict__ for r in decode_point(model, tokenizer, batch, context, args.steps, False, bandwidth)]
+        rows += [r.__dict__ for r in decode_point(model, tokenizer, batch, context, args.steps, False, bandwidth,
+                                                  host_profile=args.host_profile)]
         print(rows[-1], flush=True)
     out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "tp": args.tp, "ep": args.ep, "mode": args.mode,
                                "decode": rows}))
@@ -88,11 +90,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--mode", choices=["production", "reference"], default="production",
                    help="precision mode; reference isolates the split from the FP8 indexer's near-tie flips")
+    p.add_argument("--host-profile", action="store_true",
+                   help="log rank 0's host profile of the timed decode steps (where a step waits)")
     p.add_argument("--out", required=True)
     r = sub.add_parser("report")
     r.add_argument("runs", nargs="+")
     r.add_argument("--output")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     (run if args.command == "run" else compare)(args)
 
 

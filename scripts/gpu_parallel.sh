@@ -4,7 +4,9 @@
 # mode: production's FP8 indexer flips near-ties on its own, see BENCHMARKS.md) and on the 4-layer
 # V3.2-width random FP8 model (models/synthetic.py, production mode): logits cosine and greedy
 # agreement against TP 1, decode tokens/s at batch 128 (DECODE: the points, default 2K and 16K
-# contexts). Each part runs even if an earlier one failed. Checkpoints, per-run logs and JSON go
+# contexts) with rank 0's host profile of the timed steps, and the NCCL collectives of a step between
+# the two GPUs (benchmarks/bench_allreduce.py, with nvidia-smi's topology). Each part runs even if an
+# earlier one failed. Checkpoints, per-run logs and JSON go
 # to $WORK; $OUT gets only one log and the table (the device tool returns at most 8 files).
 #   bash scripts/gpu_parallel.sh --output BENCHMARKS.md
 set -uo pipefail
@@ -15,11 +17,13 @@ markdown=$out/BENCHMARKS-parallel.md
 mkdir -p "$out" "$work"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 status=0
-part() { local name=$1; shift; echo "== $name"; timeout "$TIME" "$@" > "$work/$name.log" 2>&1 || { echo "FAILED: $name"; status=1; }; tail -n 20 "$work/$name.log"; } >> "$out/parallel.log"
+part() { local name=$1; shift; echo "== $name"; timeout "$TIME" "$@" > "$work/$name.log" 2>&1 || { echo "FAILED: $name"; status=1; }; grep -v "%|" "$work/$name.log" | tail -n 60; } >> "$out/parallel.log"
 # Parts may be split over calls on one warm machine: TESTS=0 skips the tests, CKPTS and SETTINGS pick
 # the runs ("tiny v32"; "1,2,2 --ep"), checkpoints already in $WORK are reused, and the report
 # covers every run's JSON in $WORK.
-[[ ${TESTS:-1} == 1 ]] && TIME=90 part tests python3 -m pytest -q -rfE tests/parallel tests/models/test_decode_graphs_gpu.py
+[[ ${TESTS:-1} == 1 ]] && TIME=200 part tests python3 -m pytest -q -rfE tests/parallel tests/models/test_decode_graphs_gpu.py
+nvidia-smi topo -m >> "$out/parallel.log" 2>&1
+TIME=60 part collectives torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py
 [[ -f $work/tiny/config.json ]] || TIME=60 part make-tiny python3 -m flashdsa make-tiny --overwrite "$work/tiny"
 IFS=, read -ra settings <<< "${SETTINGS:-1,2,2 --ep}"
 for ckpt in ${CKPTS:-tiny v32}; do
@@ -30,7 +34,7 @@ for ckpt in ${CKPTS:-tiny v32}; do
   for setting in "${settings[@]}"; do
     tag=$ckpt-tp${setting// /}; tag=${tag//--/}
     mode=$([[ $ckpt == v32 ]] && echo production || echo reference)  # reference: the split alone (BENCHMARKS.md)
-    TIME=$([[ $ckpt == v32 ]] && echo 150 || echo 50) part "$tag" python3 benchmarks/bench_parallel.py run --checkpoint "$work/$ckpt" --tp $setting --mode $mode --decode "$decode" --out "$work/$tag.json"
+    TIME=$([[ $ckpt == v32 ]] && echo 240 || echo 50) part "$tag" python3 benchmarks/bench_parallel.py run --checkpoint "$work/$ckpt" --tp $setting --mode $mode --decode "$decode" --host-profile --out "$work/$tag.json"
   done
 done
 TIME=60 part report python3 benchmarks/bench_parallel.py report "$work"/*-tp*.json --output "$markdown"

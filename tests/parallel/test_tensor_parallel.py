@@ -66,3 +66,16 @@ def test_async_scheduling_on_two_gpus_gives_the_synchronous_tokens(checkpoint):
         assert tokens[True] == tokens[False]
     finally:
         llm.close()
+
+
+def test_a_worker_logs_the_median_host_time_of_its_graph_steps(caplog):
+    from collections import deque
+
+    from flashdsa.runtime.parallel.steps import _log_step_times
+
+    with caplog.at_level("INFO", logger="flashdsa.runtime.parallel.steps"):
+        _log_step_times(1, deque(), deque())
+        assert not caplog.records  # a runner that replayed no graph logs nothing
+        _log_step_times(1, deque([0.001, 0.003, 0.002]), deque([0.0005, 0.0004, 0.0006]))
+    assert caplog.messages == ["rank 1: 3 graph steps, host ms a step (median): 2.000 waiting for rank 0, "
+                               "0.500 queueing it"]

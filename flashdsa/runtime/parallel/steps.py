@@ -15,6 +15,9 @@ one broadcast queued on the stream, which no host waits for.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +29,7 @@ from flashdsa.runtime.parallel.shard import Shard
 from flashdsa.runtime.transfer import TokenFill
 
 logger = logging.getLogger(__name__)
+STEP_TIMES_KEPT = 4096  # a worker's step-time log covers its runner's last this many graph steps
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,22 @@ def receive(shard: Shard) -> Any:
 def follow(model) -> None:
     """A worker rank's life after loading: build the runner each RunnerSpec of rank 0 describes (a
     new engine on the same model sends a new one, replacing the caches and graphs), run every step
-    it sends."""
+    it sends. When a runner is replaced or stopped, logs its last decode-graph steps' host time:
+    waiting for rank 0's message, and queueing the step (tells a lagging worker from a waiting one)."""
     from flashdsa.runtime.model_runner import ModelRunner
 
-    runner = None
-    while (message := receive(model.shard)) is not None:
+    runner, waits, runs = None, deque(maxlen=STEP_TIMES_KEPT), deque(maxlen=STEP_TIMES_KEPT)
+    while True:
+        start = time.perf_counter()
+        message = receive(model.shard)
+        received = time.perf_counter()
+        if message is None or isinstance(message, RunnerSpec):
+            _log_step_times(model.shard.rank, waits, runs)
+            waits.clear()
+            runs.clear()
+        if message is None:
+            logger.info("rank %d: stopped by rank 0", model.shard.rank)
+            return
         if isinstance(message, RunnerSpec):
             runner = None  # free the last engine's caches and graphs before allocating the next
             if model.device.type == "cuda":
@@ -120,4 +135,13 @@ def follow(model) -> None:
                                  message.max_model_len, message.enforce_eager)
         else:
             runner.execute(message.input_ids, message.meta, message.decode, _receive_fill(message, model.device))
-    logger.info("rank %d: stopped by rank 0", model.shard.rank)
+            if message.decode:
+                waits.append(received - start)
+                runs.append(time.perf_counter() - received)
+
+
+def _log_step_times(rank: int, waits: deque, runs: deque) -> None:
+    if waits:
+        logger.info("rank %d: %d graph steps, host ms a step (median): %.3f waiting for rank 0, %.3f queueing it",
+                    rank, len(waits), statistics.median(waits) * 1e3, statistics.median(runs) * 1e3)
+
