@@ -1,7 +1,8 @@
 """Public indexer_topk per backend (cuda, triton) against torch.topk: top-2048 of 128 rows x 128K
 (decode-like, floor 3x torch.topk, ~0.30 ms on an H200) and of 4096 rows x 64K (prefill-like,
 floor 3x, ~3.3 ms). Normal random scores, input sets rotated past the L2; sorted output, plus the
-unsorted variant and a CUDA-graph replay (device time without Python launch overhead).
+unsorted variant and a CUDA-graph replay (device time without Python launch overhead); each eager
+row's note gives the host time of one call (what the eager figure pays before the kernel starts).
 
     python3 -m benchmarks.bench_topk [--output BENCHMARKS.md]
 """
@@ -9,6 +10,8 @@ unsorted variant and a CUDA-graph replay (device time without Python launch over
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 
 import torch
 
@@ -20,6 +23,18 @@ TOPK = 2048
 SHAPES = [(128, 131072), (4096, 65536)]  # (rows, row length)
 BACKENDS = ("cuda", "triton")
 FLOOR = 3.0  # x torch.topk
+
+
+def host_us(call, iters: int = 50) -> float:
+    """Median host time of one call in us (from the call to its return: checks, dispatch, allocation
+    and launch, not the kernel), each call after the GPU went idle: what an eager caller pays first."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 def bench_shape(rows: int, length: int, device: torch.device) -> list[Row]:
@@ -35,7 +50,9 @@ def bench_shape(rows: int, length: int, device: torch.device) -> list[Row]:
             except Exception as e:  # one backend failing must not hide the other's figure
                 log.warning("%s top-k failed: %s", backend, str(e).splitlines()[0][:300])
                 break
-            note = f"torch.topk {ms_torch:.3f} ms; {'sorted' if sorted_ else 'unsorted'}"
+            host = host_us(lambda: indexer_topk(sets[0], TOPK, sorted=sorted_, backend=backend))
+            note = (f"torch.topk {ms_torch:.3f} ms (host {host_us(lambda: torch.topk(sets[0], TOPK, dim=-1)):.0f} us); "
+                    f"{'sorted' if sorted_ else 'unsorted'}; host {host:.0f} us a call")
             out.append(Row(f"indexer_topk {backend}", shape, ms, ms_torch / ms, "x torch.topk", FLOOR, note))
             log.info("%s", out[-1])
         else:
