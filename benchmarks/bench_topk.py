@@ -40,6 +40,7 @@ def host_us(call, iters: int = 50) -> float:
 def bench_shape(rows: int, length: int, device: torch.device) -> list[Row]:
     sets = [torch.randn(rows, length, device=device) for _ in range(input_sets_for(rows * length * 4, at_most=4))]
     ms_torch = median_ms([lambda x=x: torch.topk(x, TOPK, dim=-1) for x in sets], iters=20)
+    host_torch = host_us(lambda: torch.topk(sets[0], TOPK, dim=-1))
     shape = f"{rows} rows x {length // 1024}K, topk={TOPK}"
     out = []
     for backend in BACKENDS:
@@ -51,8 +52,8 @@ def bench_shape(rows: int, length: int, device: torch.device) -> list[Row]:
                 log.warning("%s top-k failed: %s", backend, str(e).splitlines()[0][:300])
                 break
             host = host_us(lambda: indexer_topk(sets[0], TOPK, sorted=sorted_, backend=backend))
-            note = (f"torch.topk {ms_torch:.3f} ms (host {host_us(lambda: torch.topk(sets[0], TOPK, dim=-1)):.0f} us); "
-                    f"{'sorted' if sorted_ else 'unsorted'}; host {host:.0f} us a call")
+            note = (f"torch.topk {ms_torch:.3f} ms (host {host_torch:.0f} us); {'sorted' if sorted_ else 'unsorted'}; "
+                    f"host {host:.0f} us a call")
             out.append(Row(f"indexer_topk {backend}", shape, ms, ms_torch / ms, "x torch.topk", FLOOR, note))
             log.info("%s", out[-1])
         else:

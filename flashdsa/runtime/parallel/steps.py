@@ -1,8 +1,8 @@
 """Rank 0 drives the other ranks: it sends each step's inputs in one broadcast, they run the same step.
 
 Rank 0 owns the scheduler, the block manager and the sampler; the other ranks own only their
-part of the model and their copy of the caches. Messages go over the gloo ``cpu_group`` as
-pickled CPU tensors (one broadcast a step): first the :class:`RunnerSpec` the model runner was
+part of the model and their copy of the caches. Messages go over the gloo ``cpu_group``, pickled
+(a step's tensors as NumPy arrays; one broadcast a step): first the :class:`RunnerSpec` the model runner was
 built with (the same caches and CUDA graphs on every rank), then one :class:`Step` per step (a
 new RunnerSpec when rank 0 builds another engine on the model), then None to stop.
 
@@ -144,4 +144,3 @@ def _log_step_times(rank: int, waits: deque, runs: deque) -> None:
     if waits:
         logger.info("rank %d: %d graph steps, host ms a step (median): %.3f waiting for rank 0, %.3f queueing it",
                     rank, len(waits), statistics.median(waits) * 1e3, statistics.median(runs) * 1e3)
-
