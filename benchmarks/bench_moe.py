@@ -1,4 +1,4 @@
-"""fused_moe (Triton) at DeepSeek-V3.2's routed-expert shape (E=256, top-8, H=7168, I=2048) and
+"""fused_moe (Triton, and the native W4A8 kernels for FP4 on SM90) at DeepSeek-V3.2's routed-expert shape (E=256, top-8, H=7168, I=2048) and
 DeepSeek-V4-Flash's (E=256, top-6, H=4096, I=2048).
 
 V3.2: for T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2
@@ -35,6 +35,7 @@ from flashdsa.runtime.moe import max_blocks, select_experts
 from flashdsa.runtime.moe.triton import align, fused_moe
 from flashdsa.runtime.moe.triton.fused_moe import MoeConfig
 from flashdsa.runtime.moe.triton.grouped_gemm import Tile, grouped_gemm
+from flashdsa.runtime.native import unavailable as native_unavailable
 
 log = logging.getLogger("bench_moe")
 
@@ -115,10 +116,24 @@ def count_launches(call) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def moe_call(inputs: dict, experts: dict, fmt: str, config=None):
+def moe_call(inputs: dict, experts: dict, fmt: str, config=None, backend: str = "triton"):
+    """One fused_moe call on the Triton backend (``config``: a launch shape) or the native one."""
+    if backend == "cuda":
+        from flashdsa.runtime.moe.cuda import fused_moe as native
+
+        return lambda: native.fused_moe(inputs["x"], experts["w13"], experts["w2"], inputs["weights"],
+                                        inputs["expert_ids"], experts["w13_scale"], experts["w2_scale"], False, True,
+                                        None)
     return lambda: fused_moe.fused_moe(inputs["x"], experts["w13"], experts["w2"], inputs["weights"],
                                        inputs["expert_ids"], experts.get("w13_scale"), experts.get("w2_scale"),
                                        fmt == "fp8", True, None, config=config)
+
+
+def backends(fmt: str) -> tuple[str, ...]:
+    """The backends timed for a weight format: the native W4A8 kernels join Triton for FP4 on SM90."""
+    if fmt != "fp4" or torch.cuda.get_device_capability() != (9, 0) or native_unavailable() is not None:
+        return ("triton",)
+    return ("triton", "cuda")
 
 
 def dense_anchor_tflops(shape: Shape, tokens: int, fmt: str, device) -> float:
@@ -136,27 +151,32 @@ def bench_fused(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) 
     rows, times = [], {}
     for tokens in shape.tokens:
         sets = routed_inputs(shape, tokens, device)
-        calls = [moe_call(s, experts, fmt) for s in sets]
-        eager = median_ms(calls)
-        launches = count_launches(calls[0])
-        config = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
-        desc = f"T={tokens} E={shape.experts} k={shape.top_k} H={shape.hidden} I={shape.inter}"
-        flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
-        note = f"{launches} launches; block_m {config.block_m}; {kernel_split(calls[0], top=4)}"
-        label = f"fused_moe {shape.name} {fmt.upper() if fmt != 'bf16' else fmt}"
-        if tokens <= DECODE_MAX:
-            ms = graph_ms(calls)
-            chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
-            gbs = chosen * expert_bytes(experts) / ms / 1e6
-            note = f"{chosen:.0f} experts chosen; eager {eager:.3f} ms; {flops / ms / 1e9:.1f} TFLOPS; {note}"
-            rows.append(Row(f"{label}, CUDA graph", desc, ms, gbs, "GB/s", copy_gbs, note))
-        else:
-            ms = eager
-            anchor = dense_anchor_tflops(shape, tokens, fmt, device)
-            rows.append(Row(label, desc, ms, flops / ms / 1e9, "TFLOPS", anchor,
-                            f"vs dense {'torch._scaled_mm' if fmt == 'fp8' else 'torch.matmul'} {anchor:.0f} TFLOPS; "
-                            f"{note}"))
-        times[tokens] = ms
+        for backend in backends(fmt):
+            calls = [moe_call(s, experts, fmt, backend=backend) for s in sets]
+            eager = median_ms(calls)
+            launches = count_launches(calls[0])
+            desc = f"T={tokens} E={shape.experts} k={shape.top_k} H={shape.hidden} I={shape.inter}"
+            flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
+            config = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
+            shape_note = f"block_m {config.block_m}; " if backend == "triton" else "W4A8; "
+            note = f"{launches} launches; {shape_note}{kernel_split(calls[0], top=4)}"
+            label = f"fused_moe {shape.name} {fmt.upper() if fmt != 'bf16' else fmt}"
+            label += f" ({backend})" if len(backends(fmt)) > 1 else ""
+            if tokens <= DECODE_MAX:
+                ms = graph_ms(calls)
+                chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
+                gbs = chosen * expert_bytes(experts) / ms / 1e6
+                if backend != "triton":
+                    note = f"{times[tokens] / ms:.2f}x triton; {note}"
+                note = f"{chosen:.0f} experts chosen; eager {eager:.3f} ms; {flops / ms / 1e9:.1f} TFLOPS; {note}"
+                rows.append(Row(f"{label}, CUDA graph", desc, ms, gbs, "GB/s", copy_gbs, note))
+            else:
+                ms = eager
+                anchor = dense_anchor_tflops(shape, tokens, fmt, device)
+                rows.append(Row(label, desc, ms, flops / ms / 1e9, "TFLOPS", anchor,
+                                f"vs dense {'torch._scaled_mm' if fmt == 'fp8' else 'torch.matmul'} {anchor:.0f} "
+                                f"TFLOPS; {note}"))
+            times.setdefault(tokens, ms)
     return rows, times
 
 

@@ -18,10 +18,14 @@ Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device; 
 experts, one sync each on CUDA) and ``triton`` (bf16 activations; bf16 weights, FP8 e4m3 weights
 with 128x128 block scales, or FP4 e2m1 weights packed two a byte with a power-of-two scale per 32
 inputs, DeepSeek-V4's release format; E <= 1024; routing: one kernel a token, E <= 4096, top_k <= 64;
-swiglu: one elementwise kernel). Registered targets: ``{align_tokens, fused_moe, select_experts,
-hash_experts, swiglu}`` -> ``flashdsa.runtime.moe.reference:<op>`` and
-``flashdsa.runtime.moe.triton.<module>:<op>`` (modules ``align``, ``fused_moe``, ``routing`` for both
-routings, ``swiglu``).
+swiglu: one elementwise kernel), and for ``fused_moe`` ``cuda`` (SM90: FP4 experts with UE8M0 scales
+at decode sizes, up to CUDA_MAX_PAIRS_PER_EXPERT pairs an expert on average, H and I multiples of
+128; it quantizes the activations and the intermediate to e4m3, W4A8 as DeepGEMM's and SGLang's
+Hopper FP4 paths do, where triton multiplies bf16 activations; it declines other calls, which run
+on triton). Registered targets: ``{align_tokens, fused_moe, select_experts, hash_experts, swiglu}``
+-> ``flashdsa.runtime.moe.reference:<op>`` and ``flashdsa.runtime.moe.triton.<module>:<op>``
+(modules ``align``, ``fused_moe``, ``routing`` for both routings, ``swiglu``);
+``fused_moe`` -> ``flashdsa.runtime.moe.cuda.fused_moe:fused_moe``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from flashdsa.runtime import dispatch
+from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.checks import check, check_tensor, describe
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
@@ -56,6 +60,23 @@ def _triton_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, dequ
     if dequantized_fp8:
         return "triton MoE runs FP8 weights on quantized activations only (quantize_activations=False)"
     return None
+
+
+CUDA_MAX_PAIRS_PER_EXPERT = 16  # decode sizes: past this mean, Triton's bigger tiles reuse the weights
+CUDA_CHUNK = 128  # inputs per step of the native FP4 kernels (H and I multiples of it)
+
+
+def _cuda_supports(dtype: torch.dtype = torch.bfloat16, fp4_ue8m0: bool = False, pairs_per_expert: float = 0.0,
+                   hidden: int = 0, inter: int = 0, **_) -> Optional[str]:
+    if not fp4_ue8m0:
+        return dispatch.Declined("cuda fused_moe holds the FP4 (UE8M0-scaled) experts; triton runs the others")
+    if pairs_per_expert > CUDA_MAX_PAIRS_PER_EXPERT:
+        return dispatch.Declined(f"{pairs_per_expert:.0f} pairs an expert: triton's bigger tiles reuse the weights")
+    if dtype != torch.bfloat16:
+        return f"cuda fused_moe takes bf16 activations, got {dtype}"
+    if hidden % CUDA_CHUNK or inter % CUDA_CHUNK:
+        return f"cuda fused_moe needs H and I multiples of {CUDA_CHUNK}, got H={hidden}, I={inter}"
+    return native.unavailable()
 
 
 SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's scoring_func choices
@@ -86,6 +107,7 @@ for _op, _module, _supports in (("align_tokens", "align", _triton_supports), ("f
                                 ("swiglu", "swiglu", _triton_activates)):
     dispatch.register(_op, "reference", f"{__name__}.reference:{_op}")
     dispatch.register(_op, "triton", f"{__name__}.triton.{_module}:{_op}", _supports)
+dispatch.register("fused_moe", "cuda", f"{__name__}.cuda.fused_moe:fused_moe", _cuda_supports)
 
 
 def _check_int(name: str, value: object, low: int, high: Optional[int] = None) -> int:
@@ -283,7 +305,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     128x128 block), or both packed FP4 (``runtime.fp4``: e2m1 pairs, low nibble first) uint8/int8
     w13 [E, 2*I, H/2], w2 [E, H, I/2] with w13_scale [E, 2*I, H/32] and w2_scale [E, H, I/32]
     UE8M0 (uint8 exponent bytes or float8_e8m0fnu) or fp32 (H and I multiples of 32); FP4 weights
-    are dequantized to x's dtype in the GEMMs and multiply unquantized activations. With FP8
+    are dequantized to x's dtype in the GEMMs and multiply unquantized activations (the cuda
+    backend instead quantizes the activations per token and 128 channels and the intermediate per
+    32 channels to e4m3, and multiplies them with the weights turned into e4m3 exactly). With FP8
     weights the activations are quantized per token and 128 channels by
     ``runtime.gemm.quantize_activations`` (power-of-two scales with ``pow2_scales``); with
     ``quantize_activations=False`` (reference backend only) the weights are dequantized instead
@@ -311,8 +335,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         check_tensor("out", out, x.dtype, [tokens, hidden], f"{_name(x.dtype)} [T={tokens}, H={hidden}]",
                      x.device)
     dequantized_fp8 = w13.dtype == E4M3 and not quantize_activations
+    fp4_ue8m0 = w13.dtype in FP4_DTYPES and w13_scale.dtype != torch.float32
     impl = dispatch.select("fused_moe", x.device, backend, num_experts=w13.shape[0], dtype=x.dtype,
-                           dequantized_fp8=dequantized_fp8)
+                           dequantized_fp8=dequantized_fp8, fp4_ue8m0=fp4_ue8m0,
+                           pairs_per_expert=tokens * top_k / w13.shape[0], hidden=hidden, inter=w13.shape[1] // 2)
     w13, w2, w13_scale, w2_scale = (_as_bytes(t) for t in (w13, w2, w13_scale, w2_scale))
     return impl(x, w13, w2, weights, expert_ids, w13_scale, w2_scale, pow2_scales, quantize_activations, out,
                 swiglu_limit=swiglu_limit)

@@ -135,5 +135,12 @@ def _routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     pair_out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     grouped_gemm(h, h_scale, w2, w2_scale, pair_out, aligned, top_k, config.down, gated=False,
                  route_weights=weights.view(-1))
+    combine_pairs(pair_out, expert_ids, num_experts, out)
+
+
+def combine_pairs(pair_out: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, out: torch.Tensor) -> None:
+    """out[t] = fp32 sum of pair_out's rows ``t * top_k + j`` of token t's valid experts (ids in [0, E))."""
+    tokens, top_k = expert_ids.shape
+    hidden = out.shape[1]
     grid = (tokens, triton.cdiv(hidden, COMBINE_BLOCK))
     _combine_kernel[grid](pair_out, expert_ids, out, hidden, num_experts, top_k, BLOCK_H=COMBINE_BLOCK, num_warps=4)

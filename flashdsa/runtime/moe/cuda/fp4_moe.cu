@@ -1,0 +1,283 @@
+// Routed experts with FP4 (MXFP4) weights at decode sizes on Hopper: the two grouped GEMMs of
+// fused_moe with e4m3 activations (W4A8, as DeepGEMM's and SGLang's Hopper FP8 x FP4 paths do).
+//
+// Contract (flashdsa.runtime.moe.cuda.fused_moe): weights are packed e2m1 pairs [E, N, K/2] (value
+// 2j in the low nibble of byte j) with one UE8M0 exponent byte per row and 32 inputs [E, N, K/32];
+// activations are e4m3 with fp32 scales per row and AGROUP inputs. Rows come in 16-row blocks of
+// one expert (runtime.moe.alignment: each block's pairs first, then -1 padding).
+//  - gate_up: for each block row r (pair p >= 0, token p / top_k) and intermediate column c,
+//    h = silu(min(g, L)) * clamp(u, -L, L) (unclipped without L) with g, u the dot products of the
+//    token's activations with weight rows c and I + c; h is written as e4m3 with one fp32 scale
+//    (amax / 448, amax at least 1e-4) per row and 32 columns, at the block row (padding rows are
+//    not written).
+//  - down: out[p, c] = bf16(route_weight[p] * dot(h[block row], weight row c)) for every pair
+//    p >= 0 of the block (other rows of out are not written).
+//
+// A CTA is 4 warps on one block and 64 weight rows (gate_up: 32 gate rows and their 32 up rows);
+// a warp streams its 16 rows over all of K with mma.sync m16n8k32 e4m3 (weight rows as the MMA's
+// M, the block's tokens as N: 8 a tile, a second tile only when the block holds more than 8
+// pairs). Per 128 inputs a thread loads 16 bytes of each of its two rows (its quad holds 4 scale
+// groups of 32 inputs, one each), a 4x4 transpose inside the quad (two xor-shuffle stages) gives
+// each thread its words of every group, and bit operations turn each e2m1 nibble into the e4m3
+// byte of value/64 exactly (sign to bit 7, the 2 exponent and 1 mantissa bits to bits 4..2: the
+// e2m1 subnormal 0.5 lands on e4m3's subnormal grid), the even inputs into one register and the
+// odd ones into another, which fixes the MMA's K order; activations are split into even and odd
+// bytes the same way. One MMA covers one scale group, so its fp32 result is scaled by the weight
+// row's 2^(e - 127 + 6) and the token's activation scale as it is accumulated. Loads of the next
+// PREFETCH 128-input chunks are in flight while one is computed; weights bypass L1.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashdsa {
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int BLOCK_M = 16;          // block rows (pairs) of one expert
+constexpr int ROWS_PER_WARP = 16;    // weight rows per warp: the MMA's M
+constexpr int CHUNK = 128;           // inputs per chunk: 4 scale groups, 64 weight bytes a row
+constexpr int PREFETCH = 4;          // chunks in flight per warp
+constexpr int TILE_COLS = WARPS * ROWS_PER_WARP;  // output columns staged per CTA (gate_up: 32 + 32)
+constexpr unsigned FULL = 0xffffffffu;
+
+struct Args {
+  const uint8_t* a;           // e4m3 activations [rows, K]: tokens (gate_up) or block rows (down)
+  const float* a_scale;       // [rows, K / AGROUP]
+  int64_t stride_a, stride_a_scale;
+  const uint8_t* w;           // packed e2m1 [E, N, K/2]
+  const uint8_t* w_scale;     // UE8M0 [E, N, K/32]
+  int64_t stride_w_expert, stride_w_row, stride_s_expert, stride_s_row;
+  const int* sorted_pairs;    // [blocks * 16]
+  const int* block_experts;   // [blocks]
+  int tiles, k, inter, top_k;
+  float limit;                // SwiGLU clip (gate_up), <= 0: none
+  uint8_t* h;                 // gate_up: e4m3 [blocks * 16, I]
+  float* h_scale;             // gate_up: [blocks * 16, I / 32]
+  int64_t stride_h, stride_h_scale;
+  __nv_bfloat16* out;         // down: [pairs, H]
+  int64_t stride_out;
+  const float* route_weights;  // down: [pairs]
+};
+
+__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Thread t of a quad holds words M[t][0..3] (group t's bytes 4i..4i+3); afterwards it holds
+// M[0..3][t] (every group's bytes 4t..4t+3).
+__device__ __forceinline__ void transpose_quad(uint32_t (&m)[4], int t) {
+  const bool odd = t & 1;
+  uint32_t x0 = odd ? m[0] : m[1], x1 = odd ? m[2] : m[3];
+  uint32_t y0 = __shfl_xor_sync(FULL, x0, 1), y1 = __shfl_xor_sync(FULL, x1, 1);
+  if (odd) { m[0] = y0; m[2] = y1; } else { m[1] = y0; m[3] = y1; }
+  const bool high = t & 2;
+  x0 = high ? m[0] : m[2];
+  x1 = high ? m[1] : m[3];
+  y0 = __shfl_xor_sync(FULL, x0, 2);
+  y1 = __shfl_xor_sync(FULL, x1, 2);
+  if (high) { m[0] = y0; m[1] = y1; } else { m[2] = y0; m[3] = y1; }
+}
+
+// 8 e2m1 nibbles -> the e4m3 bytes of value / 64: the low nibbles (even inputs) and the high ones.
+__device__ __forceinline__ void e2m1_to_e4m3(uint32_t w, uint32_t& even, uint32_t& odd) {
+  even = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+// UE8M0 byte e -> 2^(e - 127 + 6): the weight scale times the 64 that e2m1_to_e4m3 divided out.
+__device__ __forceinline__ float weight_scale(uint32_t word, int group) {
+  return __uint_as_float((((word >> (8 * group)) & 0xFFu) + 6u) << 23);
+}
+
+__device__ __forceinline__ void mma_e4m3(const uint32_t (&a)[4], uint32_t b0, uint32_t b1, float (&d)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %12, %13};"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f), "f"(0.f), "f"(0.f));
+}
+
+// The activation row a token tile's thread reads (-1: a padding pair, zeros).
+__device__ __forceinline__ int activation_row(int pair, int row, bool gated, int top_k) {
+  return pair < 0 ? -1 : gated ? pair / top_k : row;
+}
+
+template <bool GATED, int AGROUP>
+__global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
+  __shared__ float tile[BLOCK_M][TILE_COLS + 1];
+  const int block = blockIdx.x / args.tiles, tile_n = blockIdx.x % args.tiles;
+  const int expert = args.block_experts[block];
+  if (expert < 0) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int* pairs = args.sorted_pairs + block * BLOCK_M;
+  const bool two_tiles = pairs[8] >= 0;  // a block's pairs come first, so rows 8.. are used iff row 8 is
+  // this warp's first weight row: gate_up warps 0-1 gate rows, 2-3 the matching up rows
+  const int row0 = GATED ? (warp / 2) * args.inter + tile_n * (TILE_COLS / 2) + (warp % 2) * ROWS_PER_WARP
+                         : tile_n * TILE_COLS + warp * ROWS_PER_WARP;
+  const uint8_t* w_lo = args.w + expert * args.stride_w_expert + (row0 + g) * args.stride_w_row + 16 * t;
+  const uint8_t* w_hi = w_lo + 8 * args.stride_w_row;
+  const uint8_t* s_lo = args.w_scale + expert * args.stride_s_expert + (row0 + g) * args.stride_s_row;
+  const uint8_t* s_hi = s_lo + 8 * args.stride_s_row;
+  // B operand rows (token g of each tile) and the scale rows of the C columns (tokens 2t, 2t + 1)
+  int b_row[2], c_row[2][2];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int r = n * 8 + g;
+    b_row[n] = activation_row(pairs[r], block * BLOCK_M + r, GATED, args.top_k);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int rc = n * 8 + 2 * t + j;
+      c_row[n][j] = activation_row(pairs[rc], block * BLOCK_M + rc, GATED, args.top_k);
+    }
+  }
+  float acc[2][4] = {};
+  const int chunks = args.k / CHUNK;
+  uint4 wl[PREFETCH], wh[PREFETCH];
+  uint32_t sl[PREFETCH], sh[PREFETCH];
+#pragma unroll
+  for (int p = 0; p < PREFETCH; ++p) {
+    if (p < chunks) {
+      wl[p] = load_stream(w_lo + p * (CHUNK / 2));
+      wh[p] = load_stream(w_hi + p * (CHUNK / 2));
+      sl[p] = __ldg(reinterpret_cast<const uint32_t*>(s_lo) + p);
+      sh[p] = __ldg(reinterpret_cast<const uint32_t*>(s_hi) + p);
+    }
+  }
+  for (int c0 = 0; c0 < chunks; c0 += PREFETCH) {
+#pragma unroll
+    for (int p = 0; p < PREFETCH; ++p) {
+      const int c = c0 + p;
+      if (c >= chunks) break;
+      uint32_t lo[4] = {wl[p].x, wl[p].y, wl[p].z, wl[p].w}, hi[4] = {wh[p].x, wh[p].y, wh[p].z, wh[p].w};
+      const uint32_t scale_lo = sl[p], scale_hi = sh[p];
+      if (c + PREFETCH < chunks) {
+        wl[p] = load_stream(w_lo + (c + PREFETCH) * (CHUNK / 2));
+        wh[p] = load_stream(w_hi + (c + PREFETCH) * (CHUNK / 2));
+        sl[p] = __ldg(reinterpret_cast<const uint32_t*>(s_lo) + c + PREFETCH);
+        sh[p] = __ldg(reinterpret_cast<const uint32_t*>(s_hi) + c + PREFETCH);
+      }
+      transpose_quad(lo, t);
+      transpose_quad(hi, t);
+#pragma unroll
+      for (int q = 0; q < CHUNK / 32; ++q) {  // scale group q of the chunk: one MMA per token tile
+        uint32_t a[4];
+        e2m1_to_e4m3(lo[q], a[0], a[2]);
+        e2m1_to_e4m3(hi[q], a[1], a[3]);
+        const float ws_lo = weight_scale(scale_lo, q), ws_hi = weight_scale(scale_hi, q);
+        const int k = c * CHUNK + q * 32;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          if (n == 1 && !two_tiles) break;
+          uint32_t b0 = 0, b1 = 0;
+          if (b_row[n] >= 0) {
+            const uint2 x = __ldg(reinterpret_cast<const uint2*>(args.a + int64_t(b_row[n]) * args.stride_a + k + 8 * t));
+            b0 = __byte_perm(x.x, x.y, 0x6420);
+            b1 = __byte_perm(x.x, x.y, 0x7531);
+          }
+          float d[4];
+          mma_e4m3(a, b0, b1, d);
+          float as[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            as[j] = c_row[n][j] < 0 ? 0.f : __ldg(args.a_scale + int64_t(c_row[n][j]) * args.stride_a_scale + k / AGROUP);
+          acc[n][0] = fmaf(d[0], ws_lo * as[0], acc[n][0]);
+          acc[n][1] = fmaf(d[1], ws_lo * as[1], acc[n][1]);
+          acc[n][2] = fmaf(d[2], ws_hi * as[0], acc[n][2]);
+          acc[n][3] = fmaf(d[3], ws_hi * as[1], acc[n][3]);
+        }
+      }
+    }
+  }
+  // stage the CTA's [16 rows, 64 columns] in shared memory for coalesced stores
+  const int col = warp * ROWS_PER_WARP + g;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    tile[n * 8 + 2 * t][col] = acc[n][0];
+    tile[n * 8 + 2 * t + 1][col] = acc[n][1];
+    tile[n * 8 + 2 * t][col + 8] = acc[n][2];
+    tile[n * 8 + 2 * t + 1][col + 8] = acc[n][3];
+  }
+  __syncthreads();
+  const int r = threadIdx.x / 8, part = threadIdx.x % 8;  // 8 threads a block row
+  const int pair = pairs[r];
+  if constexpr (GATED) {  // 32 columns a row: 4 a thread, then one scale per row
+    constexpr int PER = TILE_COLS / 2 / 8;
+    float v[PER], amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      float gate = tile[r][part * PER + i], up = tile[r][TILE_COLS / 2 + part * PER + i];
+      if (args.limit > 0.f) {
+        gate = fminf(gate, args.limit);
+        up = fminf(fmaxf(up, -args.limit), args.limit);
+      }
+      v[i] = gate / (1.f + __expf(-gate)) * up;
+      amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int m = 1; m < 8; m *= 2) amax = fmaxf(amax, __shfl_xor_sync(FULL, amax, m));
+    if (pair < 0) return;
+    const float scale = fmaxf(amax, 1e-4f) / 448.f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const __nv_fp8_e4m3 q(v[i] / scale);
+      packed |= uint32_t(q.__x) << (8 * i);
+    }
+    const int64_t row = int64_t(block) * BLOCK_M + r;
+    const int c = tile_n * (TILE_COLS / 2) + part * PER;
+    *reinterpret_cast<uint32_t*>(args.h + row * args.stride_h + c) = packed;
+    if (part == 0) args.h_scale[row * args.stride_h_scale + c / 32] = scale;
+  } else {  // 64 columns a row: 8 bf16 a thread, scaled by the pair's routing weight
+    if (pair < 0) return;
+    constexpr int PER = TILE_COLS / 8;
+    const float weight = args.route_weights[pair];
+    __align__(16) __nv_bfloat16 v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) v[i] = __float2bfloat16(tile[r][part * PER + i] * weight);
+    *reinterpret_cast<uint4*>(args.out + int64_t(pair) * args.stride_out + tile_n * TILE_COLS + part * PER) =
+        *reinterpret_cast<const uint4*>(v);
+  }
+}
+
+}  // namespace
+
+// Block rows per CTA, columns per CTA (gate_up: intermediate columns), and inputs per chunk: the
+// op checks shapes against these.
+int fp4_moe_block_m() { return BLOCK_M; }
+int fp4_moe_tile_columns(bool gated) { return gated ? TILE_COLS / 2 : TILE_COLS; }
+int fp4_moe_chunk() { return CHUNK; }
+
+const char* launch_fp4_moe(bool gated, int activation_group, const uint8_t* a, const float* a_scale,
+                           int64_t stride_a, int64_t stride_a_scale, const uint8_t* w, const uint8_t* w_scale,
+                           int64_t stride_w_expert, int64_t stride_w_row, int64_t stride_s_expert,
+                           int64_t stride_s_row, const int* sorted_pairs, const int* block_experts, int blocks, int n,
+                           int k, int inter, int top_k, float limit, uint8_t* h, float* h_scale, int64_t stride_h,
+                           int64_t stride_h_scale, void* out, int64_t stride_out, const float* route_weights,
+                           void* stream) {
+  if (blocks == 0) return nullptr;
+  const int tiles = n / fp4_moe_tile_columns(gated);
+  const Args args{a, a_scale, stride_a, stride_a_scale, w, w_scale, stride_w_expert, stride_w_row, stride_s_expert,
+                  stride_s_row, sorted_pairs, block_experts, tiles, k, inter, top_k, limit, h, h_scale, stride_h,
+                  stride_h_scale, static_cast<__nv_bfloat16*>(out), stride_out, route_weights};
+  const dim3 grid(blocks * tiles);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (gated && activation_group == 128) {
+    fp4_moe_kernel<true, 128><<<grid, THREADS, 0, s>>>(args);
+  } else if (!gated && activation_group == 32) {
+    fp4_moe_kernel<false, 32><<<grid, THREADS, 0, s>>>(args);
+  } else {
+    return "fp4_moe: gate_up takes activations scaled per 128 inputs and down per 32";
+  }
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace flashdsa
