@@ -41,6 +41,7 @@ constexpr int BLOCK_M = 16;          // block rows (pairs) of one expert
 constexpr int ROWS_PER_WARP = 16;    // weight rows per warp: the MMA's M
 constexpr int CHUNK = 128;           // inputs per chunk: 4 scale groups, 64 weight bytes a row
 constexpr int PREFETCH = 4;          // chunks in flight per warp
+constexpr int PIECE = 2048;          // inputs of the block's activations staged in shared memory at a time
 constexpr int TILE_COLS = WARPS * ROWS_PER_WARP;  // output columns staged per CTA (gate_up: 32 + 32)
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -97,49 +98,85 @@ __device__ __forceinline__ float weight_scale(uint32_t word, int group) {
   return __uint_as_float((((word >> (8 * group)) & 0xFFu) + 6u) << 23);
 }
 
-__device__ __forceinline__ void mma_e4m3(const uint32_t (&a)[4], uint32_t b0, uint32_t b1, float (&d)[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %11, %12, %13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f), "f"(0.f), "f"(0.f));
+// One warpgroup MMA over 32 inputs: d[64 rows, N tokens] = A (this thread's e4m3 registers, the
+// m16n8k32 fragment of its warp's 16 rows) x B (N token rows of e4m3 in shared memory, K-major,
+// no swizzle: 8-row core matrices of 16 bytes, the 16-byte K halves LBO apart, row groups SBO apart).
+template <int N>
+__device__ __forceinline__ void wgmma_e4m3(const uint32_t (&a)[4], uint64_t desc, float (&d)[N / 2]) {
+  if constexpr (N == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+  }
 }
 
-// The activation row a token tile's thread reads (-1: a padding pair, zeros).
+// Keep a register's value where the compiler sees it used, after an asynchronous MMA read or wrote it.
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Shared-memory matrix descriptor (no swizzle): start, LBO and SBO in 16-byte units.
+__device__ __forceinline__ uint64_t smem_descriptor(const void* start, uint32_t lbo, uint32_t sbo) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(start));
+  return uint64_t((address >> 4) & 0x3FFF) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo >> 4) & 0x3FFF) << 32);
+}
+
+// The activation row a block row reads (-1: a padding pair, zeros).
 __device__ __forceinline__ int activation_row(int pair, int row, bool gated, int top_k) {
   return pair < 0 ? -1 : gated ? pair / top_k : row;
 }
 
-template <bool GATED, int AGROUP>
-__global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
-  __shared__ float tile[BLOCK_M][TILE_COLS + 1];
-  const int block = blockIdx.x / args.tiles, tile_n = blockIdx.x % args.tiles;
+// Shared-memory layout of a staged piece of the block's 16 activation rows: the MMA's K order puts
+// each 32-input group's even inputs in one 16-byte slab and its odd ones in the next (matching
+// e2m1_to_e4m3's registers); a slab holds 16 rows of 16 bytes (two 8-row core matrices).
+constexpr int SLAB = BLOCK_M * 16;
+
+// Stage inputs [k0, k0 + width) of the block's rows into `act`, padding rows as zeros.
+template <bool GATED>
+__device__ void stage_activations(const Args& args, const int* pairs, int block, int k0, int width, uint8_t* act) {
+  const int per_row = width / 16;  // 16-byte units a row
+  for (int u = threadIdx.x; u < BLOCK_M * per_row; u += THREADS) {
+    const int n = u / per_row, m = u % per_row;
+    const int row = activation_row(pairs[n], block * BLOCK_M + n, GATED, args.top_k);
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (row >= 0) x = __ldg(reinterpret_cast<const uint4*>(args.a + int64_t(row) * args.stride_a + k0 + 16 * m));
+    // unit m holds threads 2(m%2) and 2(m%2)+1 of group m/2: 8 inputs each
+    uint8_t* slab = act + (m / 2) * 2 * SLAB + n * 16 + 8 * (m % 2);
+    *reinterpret_cast<uint2*>(slab) = make_uint2(__byte_perm(x.x, x.y, 0x6420), __byte_perm(x.z, x.w, 0x6420));
+    *reinterpret_cast<uint2*>(slab + SLAB) = make_uint2(__byte_perm(x.x, x.y, 0x7531), __byte_perm(x.z, x.w, 0x7531));
+  }
+}
+
+// Stream this warp's 16 weight rows over all of K into acc (N tokens: 8, or 16 for a block of
+// more than 8 pairs), staging the activations piece by piece.
+template <bool GATED, int AGROUP, int N>
+__device__ void stream_rows(const Args& args, const int* pairs, int block, int row0, uint8_t* act,
+                            float (&acc)[N / 2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int expert = args.block_experts[block];
-  if (expert < 0) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int* pairs = args.sorted_pairs + block * BLOCK_M;
-  const bool two_tiles = pairs[8] >= 0;  // a block's pairs come first, so rows 8.. are used iff row 8 is
-  // this warp's first weight row: gate_up warps 0-1 gate rows, 2-3 the matching up rows
-  const int row0 = GATED ? (warp / 2) * args.inter + tile_n * (TILE_COLS / 2) + (warp % 2) * ROWS_PER_WARP
-                         : tile_n * TILE_COLS + warp * ROWS_PER_WARP;
   const uint8_t* w_lo = args.w + expert * args.stride_w_expert + (row0 + g) * args.stride_w_row + 16 * t;
   const uint8_t* w_hi = w_lo + 8 * args.stride_w_row;
-  const uint8_t* s_lo = args.w_scale + expert * args.stride_s_expert + (row0 + g) * args.stride_s_row;
-  const uint8_t* s_hi = s_lo + 8 * args.stride_s_row;
-  // B operand rows (token g of each tile) and the scale rows of the C columns (tokens 2t, 2t + 1)
-  int b_row[2], c_row[2][2];
+  const uint32_t* s_lo = reinterpret_cast<const uint32_t*>(args.w_scale + expert * args.stride_s_expert +
+                                                          (row0 + g) * args.stride_s_row);
+  const uint32_t* s_hi = s_lo + 2 * args.stride_s_row;  // 8 rows on, in 4-byte words
+  int c_row[N / 8][2];  // the scale rows of this thread's C columns: tokens 8 j + 2 t and + 1
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int r = n * 8 + g;
-    b_row[n] = activation_row(pairs[r], block * BLOCK_M + r, GATED, args.top_k);
+  for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int rc = n * 8 + 2 * t + j;
-      c_row[n][j] = activation_row(pairs[rc], block * BLOCK_M + rc, GATED, args.top_k);
+    for (int i = 0; i < 2; ++i) {
+      const int r = 8 * j + 2 * t + i;
+      c_row[j][i] = activation_row(pairs[r], block * BLOCK_M + r, GATED, args.top_k);
     }
-  }
-  float acc[2][4] = {};
-  const int chunks = args.k / CHUNK;
+  const int chunks = args.k / CHUNK, piece_chunks = PIECE / CHUNK;
   uint4 wl[PREFETCH], wh[PREFETCH];
   uint32_t sl[PREFETCH], sh[PREFETCH];
 #pragma unroll
@@ -147,8 +184,8 @@ __global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
     if (p < chunks) {
       wl[p] = load_stream(w_lo + p * (CHUNK / 2));
       wh[p] = load_stream(w_hi + p * (CHUNK / 2));
-      sl[p] = __ldg(reinterpret_cast<const uint32_t*>(s_lo) + p);
-      sh[p] = __ldg(reinterpret_cast<const uint32_t*>(s_hi) + p);
+      sl[p] = __ldg(s_lo + p);
+      sh[p] = __ldg(s_hi + p);
     }
   }
   for (int c0 = 0; c0 < chunks; c0 += PREFETCH) {
@@ -156,54 +193,88 @@ __global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
     for (int p = 0; p < PREFETCH; ++p) {
       const int c = c0 + p;
       if (c >= chunks) break;
+      if (c % piece_chunks == 0) {  // the next piece of activations: every warp is done with the last
+        __syncthreads();
+        stage_activations<GATED>(args, pairs, block, c * CHUNK, min(PIECE, args.k - c * CHUNK), act);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+      }
       uint32_t lo[4] = {wl[p].x, wl[p].y, wl[p].z, wl[p].w}, hi[4] = {wh[p].x, wh[p].y, wh[p].z, wh[p].w};
       const uint32_t scale_lo = sl[p], scale_hi = sh[p];
       if (c + PREFETCH < chunks) {
         wl[p] = load_stream(w_lo + (c + PREFETCH) * (CHUNK / 2));
         wh[p] = load_stream(w_hi + (c + PREFETCH) * (CHUNK / 2));
-        sl[p] = __ldg(reinterpret_cast<const uint32_t*>(s_lo) + c + PREFETCH);
-        sh[p] = __ldg(reinterpret_cast<const uint32_t*>(s_hi) + c + PREFETCH);
+        sl[p] = __ldg(s_lo + c + PREFETCH);
+        sh[p] = __ldg(s_hi + c + PREFETCH);
       }
       transpose_quad(lo, t);
       transpose_quad(hi, t);
+      uint32_t a[CHUNK / 32][4];
+      float d[CHUNK / 32][N / 2];
 #pragma unroll
-      for (int q = 0; q < CHUNK / 32; ++q) {  // scale group q of the chunk: one MMA per token tile
-        uint32_t a[4];
-        e2m1_to_e4m3(lo[q], a[0], a[2]);
-        e2m1_to_e4m3(hi[q], a[1], a[3]);
+      for (int q = 0; q < CHUNK / 32; ++q) {
+        e2m1_to_e4m3(lo[q], a[q][0], a[q][2]);
+        e2m1_to_e4m3(hi[q], a[q][1], a[q][3]);
+      }
+      asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+      const uint8_t* slabs = act + (c % piece_chunks) * (CHUNK / 16) * SLAB;
+#pragma unroll
+      for (int q = 0; q < CHUNK / 32; ++q)
+        wgmma_e4m3<N>(a[q], smem_descriptor(slabs + 2 * q * SLAB, SLAB, 8 * 16), d[q]);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+      for (int q = 0; q < CHUNK / 32; ++q) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fence_operand(a[q][i]);
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) fence_operand(d[q][i]);
         const float ws_lo = weight_scale(scale_lo, q), ws_hi = weight_scale(scale_hi, q);
         const int k = c * CHUNK + q * 32;
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          if (n == 1 && !two_tiles) break;
-          uint32_t b0 = 0, b1 = 0;
-          if (b_row[n] >= 0) {
-            const uint2 x = __ldg(reinterpret_cast<const uint2*>(args.a + int64_t(b_row[n]) * args.stride_a + k + 8 * t));
-            b0 = __byte_perm(x.x, x.y, 0x6420);
-            b1 = __byte_perm(x.x, x.y, 0x7531);
-          }
-          float d[4];
-          mma_e4m3(a, b0, b1, d);
+        for (int j = 0; j < N / 8; ++j) {
           float as[2];
 #pragma unroll
-          for (int j = 0; j < 2; ++j)
-            as[j] = c_row[n][j] < 0 ? 0.f : __ldg(args.a_scale + int64_t(c_row[n][j]) * args.stride_a_scale + k / AGROUP);
-          acc[n][0] = fmaf(d[0], ws_lo * as[0], acc[n][0]);
-          acc[n][1] = fmaf(d[1], ws_lo * as[1], acc[n][1]);
-          acc[n][2] = fmaf(d[2], ws_hi * as[0], acc[n][2]);
-          acc[n][3] = fmaf(d[3], ws_hi * as[1], acc[n][3]);
+          for (int i = 0; i < 2; ++i)
+            as[i] = c_row[j][i] < 0 ? 0.f : __ldg(args.a_scale + int64_t(c_row[j][i]) * args.stride_a_scale + k / AGROUP);
+          acc[4 * j + 0] = fmaf(d[q][4 * j + 0], ws_lo * as[0], acc[4 * j + 0]);
+          acc[4 * j + 1] = fmaf(d[q][4 * j + 1], ws_lo * as[1], acc[4 * j + 1]);
+          acc[4 * j + 2] = fmaf(d[q][4 * j + 2], ws_hi * as[0], acc[4 * j + 2]);
+          acc[4 * j + 3] = fmaf(d[q][4 * j + 3], ws_hi * as[1], acc[4 * j + 3]);
         }
       }
     }
   }
+}
+
+template <bool GATED, int AGROUP>
+__global__ void __launch_bounds__(THREADS, 3) fp4_moe_kernel(const Args args) {
+  extern __shared__ __align__(128) uint8_t act[];  // a piece of the block's activations, PIECE inputs
+  __shared__ float tile[BLOCK_M][TILE_COLS + 1];
+  const int block = blockIdx.x / args.tiles, tile_n = blockIdx.x % args.tiles;
+  if (args.block_experts[block] < 0) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int* pairs = args.sorted_pairs + block * BLOCK_M;
+  // this warp's first weight row: gate_up warps 0-1 gate rows, 2-3 the matching up rows
+  const int row0 = GATED ? (warp / 2) * args.inter + tile_n * (TILE_COLS / 2) + (warp % 2) * ROWS_PER_WARP
+                         : tile_n * TILE_COLS + warp * ROWS_PER_WARP;
+  float acc[8] = {};
+  if (pairs[8] >= 0) {  // a block's pairs come first, so rows 8.. are used iff row 8 is
+    stream_rows<GATED, AGROUP, 16>(args, pairs, block, row0, act, acc);
+  } else {
+    float acc8[4] = {};
+    stream_rows<GATED, AGROUP, 8>(args, pairs, block, row0, act, acc8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = acc8[i];
+  }
   // stage the CTA's [16 rows, 64 columns] in shared memory for coalesced stores
   const int col = warp * ROWS_PER_WARP + g;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    tile[n * 8 + 2 * t][col] = acc[n][0];
-    tile[n * 8 + 2 * t + 1][col] = acc[n][1];
-    tile[n * 8 + 2 * t][col + 8] = acc[n][2];
-    tile[n * 8 + 2 * t + 1][col + 8] = acc[n][3];
+  for (int j = 0; j < 2; ++j) {
+    tile[8 * j + 2 * t][col] = acc[4 * j + 0];
+    tile[8 * j + 2 * t + 1][col] = acc[4 * j + 1];
+    tile[8 * j + 2 * t][col + 8] = acc[4 * j + 2];
+    tile[8 * j + 2 * t + 1][col + 8] = acc[4 * j + 3];
   }
   __syncthreads();
   const int r = threadIdx.x / 8, part = threadIdx.x % 8;  // 8 threads a block row
@@ -268,11 +339,12 @@ const char* launch_fp4_moe(bool gated, int activation_group, const uint8_t* a, c
                   stride_s_row, sorted_pairs, block_experts, tiles, k, inter, top_k, limit, h, h_scale, stride_h,
                   stride_h_scale, static_cast<__nv_bfloat16*>(out), stride_out, route_weights};
   const dim3 grid(blocks * tiles);
+  const size_t smem = size_t(BLOCK_M) * (k < PIECE ? k : PIECE);
   const auto s = static_cast<cudaStream_t>(stream);
   if (gated && activation_group == 128) {
-    fp4_moe_kernel<true, 128><<<grid, THREADS, 0, s>>>(args);
+    fp4_moe_kernel<true, 128><<<grid, THREADS, smem, s>>>(args);
   } else if (!gated && activation_group == 32) {
-    fp4_moe_kernel<false, 32><<<grid, THREADS, 0, s>>>(args);
+    fp4_moe_kernel<false, 32><<<grid, THREADS, smem, s>>>(args);
   } else {
     return "fp4_moe: gate_up takes activations scaled per 128 inputs and down per 32";
   }
