@@ -140,11 +140,11 @@ __device__ __forceinline__ int activation_row(int pair, int row, bool gated, int
 // e2m1_to_e4m3's registers); a slab holds 16 rows of 16 bytes (two 8-row core matrices).
 constexpr int SLAB = BLOCK_M * 16;
 
-// Stage inputs [k0, k0 + width) of the block's rows into `act`, padding rows as zeros.
-template <bool GATED>
+// Stage inputs [k0, k0 + width) of the block's first ROWS rows into `act`, padding rows as zeros.
+template <bool GATED, int ROWS>
 __device__ void stage_activations(const Args& args, const int* pairs, int block, int k0, int width, uint8_t* act) {
   const int per_row = width / 16;  // 16-byte units a row
-  for (int u = threadIdx.x; u < BLOCK_M * per_row; u += THREADS) {
+  for (int u = threadIdx.x; u < ROWS * per_row; u += THREADS) {
     const int n = u / per_row, m = u % per_row;
     const int row = activation_row(pairs[n], block * BLOCK_M + n, GATED, args.top_k);
     uint4 x = make_uint4(0, 0, 0, 0);
@@ -195,7 +195,7 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
       if (c >= chunks) break;
       if (c % piece_chunks == 0) {  // the next piece of activations: every warp is done with the last
         __syncthreads();
-        stage_activations<GATED>(args, pairs, block, c * CHUNK, min(PIECE, args.k - c * CHUNK), act);
+        stage_activations<GATED, N>(args, pairs, block, c * CHUNK, min(PIECE, args.k - c * CHUNK), act);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
       }
@@ -210,37 +210,47 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
       transpose_quad(lo, t);
       transpose_quad(hi, t);
       uint32_t a[CHUNK / 32][4];
-      float d[CHUNK / 32][N / 2];
+      float d[CHUNK / 32][N / 2], scale[CHUNK / 32][N / 8][4];  // scale: each C value's weight x activation scale
 #pragma unroll
       for (int q = 0; q < CHUNK / 32; ++q) {
         e2m1_to_e4m3(lo[q], a[q][0], a[q][2]);
         e2m1_to_e4m3(hi[q], a[q][1], a[q][3]);
+        const float ws_lo = weight_scale(scale_lo, q), ws_hi = weight_scale(scale_hi, q);
+        const int k = c * CHUNK + q * 32;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const float as = c_row[j][i] < 0 ? 0.f
+                                             : __ldg(args.a_scale + int64_t(c_row[j][i]) * args.stride_a_scale + k / AGROUP);
+            scale[q][j][i] = ws_lo * as;
+            scale[q][j][2 + i] = ws_hi * as;
+          }
       }
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
       const uint8_t* slabs = act + (c % piece_chunks) * (CHUNK / 16) * SLAB;
 #pragma unroll
-      for (int q = 0; q < CHUNK / 32; ++q)
+      for (int q = 0; q < CHUNK / 32; ++q) {  // two commit groups: the first half's sums overlap the second's MMAs
         wgmma_e4m3<N>(a[q], smem_descriptor(slabs + 2 * q * SLAB, SLAB, 8 * 16), d[q]);
-      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        if (q % 2 == 1) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      }
 #pragma unroll
-      for (int q = 0; q < CHUNK / 32; ++q) {
+      for (int half = 0; half < 2; ++half) {
+        if (half == 0) {
+          asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        } else {
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) fence_operand(a[q][i]);
+        for (int q = 2 * half; q < 2 * half + 2; ++q) {
 #pragma unroll
-        for (int i = 0; i < N / 2; ++i) fence_operand(d[q][i]);
-        const float ws_lo = weight_scale(scale_lo, q), ws_hi = weight_scale(scale_hi, q);
-        const int k = c * CHUNK + q * 32;
+          for (int i = 0; i < 4; ++i) fence_operand(a[q][i]);
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) {
-          float as[2];
+          for (int i = 0; i < N / 2; ++i) fence_operand(d[q][i]);
 #pragma unroll
-          for (int i = 0; i < 2; ++i)
-            as[i] = c_row[j][i] < 0 ? 0.f : __ldg(args.a_scale + int64_t(c_row[j][i]) * args.stride_a_scale + k / AGROUP);
-          acc[4 * j + 0] = fmaf(d[q][4 * j + 0], ws_lo * as[0], acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(d[q][4 * j + 1], ws_lo * as[1], acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(d[q][4 * j + 2], ws_hi * as[0], acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(d[q][4 * j + 3], ws_hi * as[1], acc[4 * j + 3]);
+          for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[4 * j + i] = fmaf(d[q][4 * j + i], scale[q][j][i], acc[4 * j + i]);
         }
       }
     }
