@@ -23,7 +23,7 @@
 // e2m1 subnormal 0.5 lands on e4m3's subnormal grid), the even inputs into one register and the
 // odd ones into another, which fixes the MMA's K order; activations are split into even and odd
 // bytes the same way. One MMA covers one scale group, so its fp32 result is scaled by the weight
-// row's 2^(e - 127 + 6) and the token's activation scale as it is accumulated. Loads of the next
+// row's 2^(e - 127) and the token's activation scale as it is accumulated (and the sum by 64). Loads of the next
 // PREFETCH 128-input chunks are in flight while one is computed; weights bypass L1.
 
 #include <cuda_bf16.h>
@@ -40,7 +40,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int BLOCK_M = 16;          // block rows (pairs) of one expert
 constexpr int ROWS_PER_WARP = 16;    // weight rows per warp: the MMA's M
 constexpr int CHUNK = 128;           // inputs per chunk: 4 scale groups, 64 weight bytes a row
-constexpr int PREFETCH = 4;          // chunks in flight per warp
+constexpr int PREFETCH = 2;          // chunks in flight per warp
 constexpr int PIECE = 2048;          // inputs of the block's activations staged in shared memory at a time
 constexpr int TILE_COLS = WARPS * ROWS_PER_WARP;  // output columns staged per CTA (gate_up: 32 + 32)
 constexpr unsigned FULL = 0xffffffffu;
@@ -93,9 +93,10 @@ __device__ __forceinline__ void e2m1_to_e4m3(uint32_t w, uint32_t& even, uint32_
   odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
-// UE8M0 byte e -> 2^(e - 127 + 6): the weight scale times the 64 that e2m1_to_e4m3 divided out.
+// UE8M0 byte `group` of `word` -> 2^(e - 127) (the 64 that e2m1_to_e4m3 divided out is put back
+// once, in the epilogue).
 __device__ __forceinline__ float weight_scale(uint32_t word, int group) {
-  return __uint_as_float((((word >> (8 * group)) & 0xFFu) + 6u) << 23);
+  return __uint_as_float(__byte_perm(word, 0, 0x4440 + group) << 23);
 }
 
 // One warpgroup MMA over 32 inputs: d[64 rows, N tokens] = A (this thread's e4m3 registers, the
@@ -168,14 +169,18 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
   const uint32_t* s_lo = reinterpret_cast<const uint32_t*>(args.w_scale + expert * args.stride_s_expert +
                                                           (row0 + g) * args.stride_s_row);
   const uint32_t* s_hi = s_lo + 2 * args.stride_s_row;  // 8 rows on, in 4-byte words
-  int c_row[N / 8][2];  // the scale rows of this thread's C columns: tokens 8 j + 2 t and + 1
+  // activation scale rows of this thread's C columns (tokens 8 j + 2 t and + 1); a padding row's B
+  // operand is zero, so it reads the block's first row, which is always a written pair
+  int as_row[N / 8][2];  // element offsets into a_scale (the op keeps it under 2^31 elements)
+  const int first = activation_row(pairs[0], block * BLOCK_M, GATED, args.top_k);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = 8 * j + 2 * t + i;
-      c_row[j][i] = activation_row(pairs[r], block * BLOCK_M + r, GATED, args.top_k);
+      const int r = 8 * j + 2 * t + i, row = activation_row(pairs[r], block * BLOCK_M + r, GATED, args.top_k);
+      as_row[j][i] = (row < 0 ? first : row) * int(args.stride_a_scale);
     }
+  const uint64_t act_desc = smem_descriptor(act, SLAB, 8 * 16);
   const int chunks = args.k / CHUNK, piece_chunks = PIECE / CHUNK;
   uint4 wl[PREFETCH], wh[PREFETCH];
   uint32_t sl[PREFETCH], sh[PREFETCH];
@@ -216,22 +221,21 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
         e2m1_to_e4m3(lo[q], a[q][0], a[q][2]);
         e2m1_to_e4m3(hi[q], a[q][1], a[q][3]);
         const float ws_lo = weight_scale(scale_lo, q), ws_hi = weight_scale(scale_hi, q);
-        const int k = c * CHUNK + q * 32;
+        const int group = (c * CHUNK + q * 32) / AGROUP;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
-            const float as = c_row[j][i] < 0 ? 0.f
-                                             : __ldg(args.a_scale + int64_t(c_row[j][i]) * args.stride_a_scale + k / AGROUP);
+            const float as = __ldg(args.a_scale + as_row[j][i] + group);
             scale[q][j][i] = ws_lo * as;
             scale[q][j][2 + i] = ws_hi * as;
           }
       }
       asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-      const uint8_t* slabs = act + (c % piece_chunks) * (CHUNK / 16) * SLAB;
+      const uint64_t chunk_desc = act_desc + (((c % piece_chunks) * (CHUNK / 16) * SLAB) >> 4);
 #pragma unroll
       for (int q = 0; q < CHUNK / 32; ++q) {  // two commit groups: the first half's sums overlap the second's MMAs
-        wgmma_e4m3<N>(a[q], smem_descriptor(slabs + 2 * q * SLAB, SLAB, 8 * 16), d[q]);
+        wgmma_e4m3<N>(a[q], chunk_desc + ((2 * q * SLAB) >> 4), d[q]);
         if (q % 2 == 1) asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       }
 #pragma unroll
@@ -258,7 +262,7 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
 }
 
 template <bool GATED, int AGROUP>
-__global__ void __launch_bounds__(THREADS, 3) fp4_moe_kernel(const Args args) {
+__global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
   extern __shared__ __align__(128) uint8_t act[];  // a piece of the block's activations, PIECE inputs
   __shared__ float tile[BLOCK_M][TILE_COLS + 1];
   const int block = blockIdx.x / args.tiles, tile_n = blockIdx.x % args.tiles;
@@ -277,6 +281,8 @@ __global__ void __launch_bounds__(THREADS, 3) fp4_moe_kernel(const Args args) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[i] = acc8[i];
   }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] *= 64.f;  // e2m1_to_e4m3's values are the weights / 64
   // stage the CTA's [16 rows, 64 columns] in shared memory for coalesced stores
   const int col = warp * ROWS_PER_WARP + g;
 #pragma unroll

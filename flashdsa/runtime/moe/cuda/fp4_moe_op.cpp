@@ -36,11 +36,14 @@ void check(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntA
               t.data_ptr(), " and strides ", t.strides());
 }
 
-// An fp32 scale tensor of shape on `like`'s device with unit last stride (read a float at a time).
+// An fp32 scale tensor of shape on `like`'s device with unit last stride (read a float at a time)
+// (the kernel indexes it with 32-bit offsets).
 void check_scale(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& like) {
   TORCH_CHECK(t.device() == like.device() && t.scalar_type() == at::kFloat && t.sizes() == shape && t.stride(-1) == 1,
               name, " must be an fp32 tensor of shape ", shape, " with unit last stride on ", like.device(), ", got ",
               t.scalar_type(), " ", t.sizes(), " strides ", t.strides(), " on ", t.device());
+  TORCH_CHECK(t.size(0) * t.stride(0) < (int64_t{1} << 31), name, " must span fewer than 2^31 elements, got ",
+              t.sizes(), " strides ", t.strides());
 }
 
 // The expert weights and their scales: w [E, N, K/2] uint8, w_scale [E, N, K/32] uint8.
