@@ -188,6 +188,14 @@ def make_engine(model, tokenizer, batch: int, max_len: int, eager: bool) -> LLME
                                                     max_model_len=max_len, num_blocks=blocks, enforce_eager=eager))
 
 
+def decode_target(model, batch: int) -> int:
+    """The share of the bound a decode step must reach (%): V3.2's issue asks 60 below batch 128 and
+    50 at 128; DeepSeek-V4's asks 50 at batch 1 and 32."""
+    from flashdsa.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    return 50 if isinstance(model, DeepseekV4ForCausalLM) or batch >= 128 else 60
+
+
 def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: bool, bandwidth: float,
                  modes: tuple[bool, ...] = (True,), profile: bool = False, host_profile: bool = False) -> list[Row]:
     """One row per async-scheduling mode in ``modes``, timed in turn on the same prefilled batch
@@ -226,7 +234,7 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
         note = (f"{batch * 1e3 / ms:.0f} tok/s; {sum(distinct)} experts; GPU busy {busy:.0%}; {launches:.0f} launches, "
                 f"{syncs:.0f} syncs/step")
         rows.append(Row(f"decode step ({mode})", f"b={batch} ctx={context}", ms, bound_ms / ms * 100, "% of bound",
-                        60 if batch < 128 else 50, f"bound {bound_ms:.2f} ms; {note}"))
+                        decode_target(model, batch), f"bound {bound_ms:.2f} ms; {note}"))
     return rows
 
 
