@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.empty_cache()
     for shape, times in moe_ms.items():
         rows += bench_routing(shape, times, device)
-    report("Grouped MoE sweep (Triton)" if args.sweep else "Grouped MoE (Triton)", rows, args.output)
+    title = "Grouped MoE sweep (Triton)" if args.sweep else "Grouped MoE (Triton; native W4A8 for FP4 on SM90)"
+    report(title, rows, args.output)
 
 
 if __name__ == "__main__":
