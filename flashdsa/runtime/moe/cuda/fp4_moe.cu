@@ -32,36 +32,24 @@
 
 #include <cstdint>
 
+#include "fp4_moe.h"
+
 namespace flashdsa {
 namespace {
 
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int BLOCK_M = 16;          // block rows (pairs) of one expert
+constexpr int BLOCK_M = kFp4MoeBlockM;  // block rows (pairs) of one expert
 constexpr int ROWS_PER_WARP = 16;    // weight rows per warp: the MMA's M
-constexpr int CHUNK = 128;           // inputs per chunk: 4 scale groups, 64 weight bytes a row
+constexpr int CHUNK = kFp4MoeChunk;  // inputs per chunk: 4 scale groups, 64 weight bytes a row
 constexpr int PREFETCH = 2;          // chunks in flight per warp
 constexpr int PIECE = 2048;          // inputs of the block's activations staged in shared memory at a time
 constexpr int TILE_COLS = WARPS * ROWS_PER_WARP;  // output columns staged per CTA (gate_up: 32 + 32)
 constexpr unsigned FULL = 0xffffffffu;
+static_assert(TILE_COLS == kFp4MoeDownColumns && TILE_COLS / 2 == kFp4MoeGateUpColumns, "fp4_moe.h's tiles");
 
-struct Args {
-  const uint8_t* a;           // e4m3 activations [rows, K]: tokens (gate_up) or block rows (down)
-  const float* a_scale;       // [rows, K / AGROUP]
-  int64_t stride_a, stride_a_scale;
-  const uint8_t* w;           // packed e2m1 [E, N, K/2]
-  const uint8_t* w_scale;     // UE8M0 [E, N, K/32]
-  int64_t stride_w_expert, stride_w_row, stride_s_expert, stride_s_row;
-  const int* sorted_pairs;    // [blocks * 16]
-  const int* block_experts;   // [blocks]
-  int tiles, k, inter, top_k;
-  float limit;                // SwiGLU clip (gate_up), <= 0: none
-  uint8_t* h;                 // gate_up: e4m3 [blocks * 16, I]
-  float* h_scale;             // gate_up: [blocks * 16, I / 32]
-  int64_t stride_h, stride_h_scale;
-  __nv_bfloat16* out;         // down: [pairs, H]
-  int64_t stride_out;
-  const float* route_weights;  // down: [pairs]
+struct Args : Fp4MoeArgs {
+  int tiles;  // column tiles of a block: the grid is blocks x tiles
 };
 
 __device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
@@ -329,40 +317,26 @@ __global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
     __align__(16) __nv_bfloat16 v[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) v[i] = __float2bfloat16(tile[r][part * PER + i] * weight);
-    *reinterpret_cast<uint4*>(args.out + int64_t(pair) * args.stride_out + tile_n * TILE_COLS + part * PER) =
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(args.out) + int64_t(pair) * args.stride_out +
+                              tile_n * TILE_COLS + part * PER) =
         *reinterpret_cast<const uint4*>(v);
   }
 }
 
 }  // namespace
 
-// Block rows per CTA, columns per CTA (gate_up: intermediate columns), and inputs per chunk: the
-// op checks shapes against these.
-int fp4_moe_block_m() { return BLOCK_M; }
-int fp4_moe_tile_columns(bool gated) { return gated ? TILE_COLS / 2 : TILE_COLS; }
-int fp4_moe_chunk() { return CHUNK; }
-
-const char* launch_fp4_moe(bool gated, int activation_group, const uint8_t* a, const float* a_scale,
-                           int64_t stride_a, int64_t stride_a_scale, const uint8_t* w, const uint8_t* w_scale,
-                           int64_t stride_w_expert, int64_t stride_w_row, int64_t stride_s_expert,
-                           int64_t stride_s_row, const int* sorted_pairs, const int* block_experts, int blocks, int n,
-                           int k, int inter, int top_k, float limit, uint8_t* h, float* h_scale, int64_t stride_h,
-                           int64_t stride_h_scale, void* out, int64_t stride_out, const float* route_weights,
-                           void* stream) {
-  if (blocks == 0) return nullptr;
-  const int tiles = n / fp4_moe_tile_columns(gated);
-  const Args args{a, a_scale, stride_a, stride_a_scale, w, w_scale, stride_w_expert, stride_w_row, stride_s_expert,
-                  stride_s_row, sorted_pairs, block_experts, tiles, k, inter, top_k, limit, h, h_scale, stride_h,
-                  stride_h_scale, static_cast<__nv_bfloat16*>(out), stride_out, route_weights};
-  const dim3 grid(blocks * tiles);
-  const size_t smem = size_t(BLOCK_M) * (k < PIECE ? k : PIECE);
+const char* launch_fp4_moe(const Fp4MoeArgs& base, bool gated, void* stream) {
+  if (base.blocks == 0) return nullptr;
+  Args args;
+  static_cast<Fp4MoeArgs&>(args) = base;
+  args.tiles = base.n / (gated ? TILE_COLS / 2 : TILE_COLS);
+  const dim3 grid(base.blocks * args.tiles);
+  const size_t smem = size_t(BLOCK_M) * (base.k < PIECE ? base.k : PIECE);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (gated && activation_group == 128) {
+  if (gated) {
     fp4_moe_kernel<true, 128><<<grid, THREADS, smem, s>>>(args);
-  } else if (!gated && activation_group == 32) {
-    fp4_moe_kernel<false, 32><<<grid, THREADS, smem, s>>>(args);
   } else {
-    return "fp4_moe: gate_up takes activations scaled per 128 inputs and down per 32";
+    fp4_moe_kernel<false, 32><<<grid, THREADS, smem, s>>>(args);
   }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);

@@ -7,18 +7,9 @@
 
 #include <cstdint>
 
-namespace flashdsa {
+#include "fp4_moe.h"
 
-int fp4_moe_block_m();
-int fp4_moe_tile_columns(bool gated);
-int fp4_moe_chunk();
-const char* launch_fp4_moe(bool gated, int activation_group, const uint8_t* a, const float* a_scale,
-                           int64_t stride_a, int64_t stride_a_scale, const uint8_t* w, const uint8_t* w_scale,
-                           int64_t stride_w_expert, int64_t stride_w_row, int64_t stride_s_expert,
-                           int64_t stride_s_row, const int* sorted_pairs, const int* block_experts, int blocks, int n,
-                           int k, int inter, int top_k, float limit, uint8_t* h, float* h_scale, int64_t stride_h,
-                           int64_t stride_h_scale, void* out, int64_t stride_out, const float* route_weights,
-                           void* stream);
+namespace flashdsa {
 
 namespace {
 
@@ -56,27 +47,42 @@ void check_weights(const at::Tensor& w, const at::Tensor& w_scale, int64_t n, in
               "w_scale must be a uint8 [", w.size(0), ", ", n, ", ", k / kGroup,
               "] tensor with 4-byte aligned rows on ", like.device(), ", got ", w_scale.scalar_type(), " ",
               w_scale.sizes(), " strides ", w_scale.strides());
-  TORCH_CHECK(k % fp4_moe_chunk() == 0, "K must be a multiple of ", fp4_moe_chunk(), ", got ", k);
+  TORCH_CHECK(k % kFp4MoeChunk == 0, "K must be a multiple of ", kFp4MoeChunk, ", got ", k);
 }
 
 void check_aligned(const at::Tensor& sorted_pairs, const at::Tensor& block_experts, const at::Tensor& like) {
   TORCH_CHECK(block_experts.dim() == 1, "block_experts must be [blocks], got ", block_experts.sizes());
   check(block_experts, "block_experts", at::kInt, {block_experts.size(0)}, like);
-  check(sorted_pairs, "sorted_pairs", at::kInt, {block_experts.size(0) * fp4_moe_block_m()}, like);
+  check(sorted_pairs, "sorted_pairs", at::kInt, {block_experts.size(0) * kFp4MoeBlockM}, like);
 }
 
-void launch(bool gated, int group, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& w,
-            const at::Tensor& w_scale, const at::Tensor& sorted_pairs, const at::Tensor& block_experts, int64_t n,
-            int64_t inter, int64_t top_k, double limit, uint8_t* h, float* h_scale, int64_t stride_h,
-            int64_t stride_h_scale, void* out, int64_t stride_out, const float* route_weights, int64_t stream) {
-  const int64_t k = a.size(1);
-  const char* error = launch_fp4_moe(
-      gated, group, a.data_ptr<uint8_t>(), a_scale.data_ptr<float>(), a.stride(0), a_scale.stride(0),
-      w.data_ptr<uint8_t>(), w_scale.data_ptr<uint8_t>(), w.stride(0), w.stride(1), w_scale.stride(0),
-      w_scale.stride(1), sorted_pairs.data_ptr<int>(), block_experts.data_ptr<int>(),
-      static_cast<int>(block_experts.size(0)), static_cast<int>(n), static_cast<int>(k), static_cast<int>(inter),
-      static_cast<int>(top_k), static_cast<float>(limit), h, h_scale, stride_h, stride_h_scale, out, stride_out,
-      route_weights, reinterpret_cast<void*>(stream));
+// The arguments both GEMMs share: activations, weights and the aligned blocks.
+Fp4MoeArgs common_args(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& sorted_pairs, const at::Tensor& block_experts, int64_t n, int64_t inter,
+                       int64_t top_k) {
+  Fp4MoeArgs args{};
+  args.a = a.data_ptr<uint8_t>();
+  args.a_scale = a_scale.data_ptr<float>();
+  args.stride_a = a.stride(0);
+  args.stride_a_scale = a_scale.stride(0);
+  args.w = w.data_ptr<uint8_t>();
+  args.w_scale = w_scale.data_ptr<uint8_t>();
+  args.stride_w_expert = w.stride(0);
+  args.stride_w_row = w.stride(1);
+  args.stride_s_expert = w_scale.stride(0);
+  args.stride_s_row = w_scale.stride(1);
+  args.sorted_pairs = sorted_pairs.data_ptr<int>();
+  args.block_experts = block_experts.data_ptr<int>();
+  args.blocks = static_cast<int>(block_experts.size(0));
+  args.n = static_cast<int>(n);
+  args.k = static_cast<int>(a.size(1));
+  args.inter = static_cast<int>(inter);
+  args.top_k = static_cast<int>(top_k);
+  return args;
+}
+
+void launch(const Fp4MoeArgs& args, bool gated, int64_t stream) {
+  const char* error = launch_fp4_moe(args, gated, reinterpret_cast<void*>(stream));
   TORCH_CHECK(error == nullptr, "fp4_moe launch failed: ", error);
 }
 
@@ -88,11 +94,11 @@ void gate_up(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& w
   TORCH_CHECK(a.is_cuda() && a.dim() == 2, "a must be a CUDA [T, H] tensor, got ", a.sizes(), " on ", a.device());
   const int64_t tokens = a.size(0), hidden = a.size(1);
   check(a, "a", at::kByte, {tokens, hidden}, a);
-  TORCH_CHECK(hidden % fp4_moe_chunk() == 0, "H must be a multiple of ", fp4_moe_chunk(), ", got ", hidden);
+  TORCH_CHECK(hidden % kFp4MoeChunk == 0, "H must be a multiple of ", kFp4MoeChunk, ", got ", hidden);
   check_scale(a_scale, "a_scale", {tokens, hidden / 128}, a);
   TORCH_CHECK(w13.dim() == 3 && w13.size(1) % 2 == 0, "w13 must be [E, 2I, H/2], got ", w13.sizes());
   const int64_t inter = w13.size(1) / 2;
-  TORCH_CHECK(inter % fp4_moe_tile_columns(true) == 0, "I must be a multiple of ", fp4_moe_tile_columns(true), ", got ",
+  TORCH_CHECK(inter % kFp4MoeGateUpColumns == 0, "I must be a multiple of ", kFp4MoeGateUpColumns, ", got ",
               inter);
   check_weights(w13, w13_scale, 2 * inter, hidden, a);
   check_aligned(sorted_pairs, block_experts, a);
@@ -100,9 +106,13 @@ void gate_up(const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& w
   const int64_t rows = sorted_pairs.size(0);
   check(h, "h", at::kByte, {rows, inter}, a);
   check_scale(h_scale, "h_scale", {rows, inter / kGroup}, a);
-  launch(true, 128, a, a_scale, w13, w13_scale, sorted_pairs, block_experts, inter, inter, top_k, limit,
-         h.data_ptr<uint8_t>(), h_scale.data_ptr<float>(), h.stride(0), h_scale.stride(0), nullptr, 0, nullptr,
-         stream);
+  Fp4MoeArgs args = common_args(a, a_scale, w13, w13_scale, sorted_pairs, block_experts, inter, inter, top_k);
+  args.limit = static_cast<float>(limit);
+  args.h = h.data_ptr<uint8_t>();
+  args.h_scale = h_scale.data_ptr<float>();
+  args.stride_h = h.stride(0);
+  args.stride_h_scale = h_scale.stride(0);
+  launch(args, true, stream);
 }
 
 // h: [blocks*16, I] e4m3 (as uint8) with h_scale [blocks*16, I/32] fp32; w2 [E, H, I/2];
@@ -113,11 +123,11 @@ void down(const at::Tensor& h, const at::Tensor& h_scale, const at::Tensor& w2, 
   TORCH_CHECK(h.is_cuda() && h.dim() == 2, "h must be a CUDA [rows, I] tensor, got ", h.sizes(), " on ", h.device());
   const int64_t rows = h.size(0), inter = h.size(1);
   check(h, "h", at::kByte, {rows, inter}, h);
-  TORCH_CHECK(inter % fp4_moe_chunk() == 0, "I must be a multiple of ", fp4_moe_chunk(), ", got ", inter);
+  TORCH_CHECK(inter % kFp4MoeChunk == 0, "I must be a multiple of ", kFp4MoeChunk, ", got ", inter);
   check_scale(h_scale, "h_scale", {rows, inter / kGroup}, h);
   TORCH_CHECK(w2.dim() == 3, "w2 must be [E, H, I/2], got ", w2.sizes());
   const int64_t hidden = w2.size(1);
-  TORCH_CHECK(hidden % fp4_moe_tile_columns(false) == 0, "H must be a multiple of ", fp4_moe_tile_columns(false),
+  TORCH_CHECK(hidden % kFp4MoeDownColumns == 0, "H must be a multiple of ", kFp4MoeDownColumns,
               ", got ", hidden);
   check_weights(w2, w2_scale, hidden, inter, h);
   check_aligned(sorted_pairs, block_experts, h);
@@ -128,8 +138,11 @@ void down(const at::Tensor& h, const at::Tensor& h_scale, const at::Tensor& w2, 
               "route_weights must be a contiguous fp32 [pairs] tensor, got ", route_weights.scalar_type(), " ",
               route_weights.sizes());
   check(out, "out", at::kBFloat16, {route_weights.size(0), hidden}, h);
-  launch(false, 32, h, h_scale, w2, w2_scale, sorted_pairs, block_experts, hidden, inter, 1, 0.0, nullptr, nullptr, 0,
-         0, out.data_ptr(), out.stride(0), route_weights.data_ptr<float>(), stream);
+  Fp4MoeArgs args = common_args(h, h_scale, w2, w2_scale, sorted_pairs, block_experts, hidden, inter, 1);
+  args.out = out.data_ptr();
+  args.stride_out = out.stride(0);
+  args.route_weights = route_weights.data_ptr<float>();
+  launch(args, false, stream);
 }
 
 }  // namespace
