@@ -13,18 +13,21 @@
 //  - down: out[p, c] = bf16(route_weight[p] * dot(h[block row], weight row c)) for every pair
 //    p >= 0 of the block (other rows of out are not written).
 //
-// A CTA is 4 warps on one block and 64 weight rows (gate_up: 32 gate rows and their 32 up rows);
-// a warp streams its 16 rows over all of K with mma.sync m16n8k32 e4m3 (weight rows as the MMA's
-// M, the block's tokens as N: 8 a tile, a second tile only when the block holds more than 8
-// pairs). Per 128 inputs a thread loads 16 bytes of each of its two rows (its quad holds 4 scale
-// groups of 32 inputs, one each), a 4x4 transpose inside the quad (two xor-shuffle stages) gives
-// each thread its words of every group, and bit operations turn each e2m1 nibble into the e4m3
-// byte of value/64 exactly (sign to bit 7, the 2 exponent and 1 mantissa bits to bits 4..2: the
-// e2m1 subnormal 0.5 lands on e4m3's subnormal grid), the even inputs into one register and the
-// odd ones into another, which fixes the MMA's K order; activations are split into even and odd
-// bytes the same way. One MMA covers one scale group, so its fp32 result is scaled by the weight
-// row's 2^(e - 127) and the token's activation scale as it is accumulated (and the sum by 64). Loads of the next
-// PREFETCH 128-input chunks are in flight while one is computed; weights bypass L1.
+// A CTA is one warpgroup on one block and 64 weight rows (gate_up: 32 gate rows and their 32 up
+// rows); a warp streams its 16 rows over all of K with wgmma m64n8k32 / m64n16k32 e4m3 (weight rows
+// as the MMA's M, the block's tokens as N: 8, or 16 when the block holds more than 8 pairs).
+// Per 128 inputs a thread loads 16 bytes of each of its two rows (its quad holds 4 scale groups of
+// 32 inputs, one each), a 4x4 transpose inside the quad (two xor-shuffle stages) gives each thread
+// its words of every group, and bit operations turn each e2m1 nibble into the e4m3 byte of
+// value/64 exactly (sign to bit 7, the 2 exponent and 1 mantissa bits to bits 4..2: the e2m1
+// subnormal 0.5 lands on e4m3's subnormal grid), the even inputs into one register and the odd
+// ones into another: the A operand (registers), in an MMA K order that the activations staged in
+// shared memory (B, PIECE inputs at a time, split into even and odd bytes the same way) follow.
+// (e4m3 mma.sync has no SM90 instruction: ptxas runs it as f16 HMMA with conversions, twice as
+// many instructions.) One MMA covers one scale group, so its fp32 result is scaled by the weight
+// row's 2^(e - 127) and the token's activation scale as it is accumulated (and the sum by 64).
+// Loads of the next PREFETCH 128-input chunks are in flight while one is computed; weights bypass
+// L1.
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
