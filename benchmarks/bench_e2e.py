@@ -14,7 +14,8 @@ scheduling on, off or ``both`` ways on the same prefilled sequences: ``--async-s
   per layer and sequence the top-k latent rows (656 B) and every indexer key (132 B); V4: the
   window's rows, the CSA top-k entries (584 B) and every CSA indexer key, every HCA entry) at the
   memory bandwidth of a device copy measured here (bytes read and written per second);
-- GPU-busy share, kernel launches and host syncs per decode step (torch profiler);
+- GPU-busy share (a step's kernel time under the torch profiler over the timed step), kernel
+  launches and host syncs per decode step;
 - prefill tokens/s of one prompt against the FLOP bound (linear layers, sparse attention and
   indexer FLOPs at the FP8 GEMM rate of torch._scaled_mm measured here; V3.2 only).
 
@@ -138,8 +139,10 @@ def prefill_flops(model, length: int) -> float:
 
 
 def profile_steps(engine: LLMEngine, steps: int = 5, label: str = "") -> tuple[float, float, float]:
-    """(GPU-busy share, launches per step, host syncs per step) over ``steps`` engine steps; logs
-    the kernels by device time, and the host time of the step's phases, under ``label``."""
+    """(kernel us, launches, host syncs) per step over ``steps`` engine steps; logs the kernels by
+    device time, and the host time of the step's phases, under ``label``. The profiler slows the
+    host, so a host-bound step's profiled wall time is not the timed one's: callers divide the
+    kernel time by the step time they measured without it."""
     phases = _timed_phases(engine)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -157,7 +160,7 @@ def profile_steps(engine: LLMEngine, steps: int = 5, label: str = "") -> tuple[f
         log.info("%s: %.0f us/step wall; host ms/step by phase %s\n%s", label, wall_us / steps,
                  {k: round(v * 1e3 / steps, 3) for k, v in phases.items()},
                  prof.key_averages().table(sort_by="device_time_total", row_limit=25))
-    return busy / wall_us, launches / steps, syncs / steps
+    return busy / steps, launches / steps, syncs / steps
 
 
 def _timed_phases(engine: LLMEngine) -> dict[str, float]:
@@ -229,8 +232,10 @@ def decode_point(model, tokenizer, batch: int, context: int, steps: int, eager: 
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
             log.info("host profile of %d steps, b=%d ctx=%d:\n%s", steps, batch, context, text.getvalue())
         mode = ("async" if overlapped else "sync") + (", eager" if eager else "")
-        busy, launches, syncs = profile_steps(engine, label=f"decode b={batch} ctx={context} {mode}" if profile else "")
+        label = f"decode b={batch} ctx={context} {mode}" if profile else ""
+        kernel_us, launches, syncs = profile_steps(engine, label=label)
         ms = statistics.median(times) * 1e3
+        busy = kernel_us / (ms * 1e3)  # the GPU's busy share of the timed step
         note = (f"{batch * 1e3 / ms:.0f} tok/s; {sum(distinct)} experts; GPU busy {busy:.0%}; {launches:.0f} launches, "
                 f"{syncs:.0f} syncs/step")
         rows.append(Row(f"decode step ({mode})", f"b={batch} ctx={context}", ms, bound_ms / ms * 100, "% of bound",
