@@ -170,13 +170,18 @@ def test_raw_op_refuses_misaligned_weights():
 
 
 def test_dispatch_declines_what_triton_runs_better():
-    """The support check: non-FP4 experts and prefill sizes are declined (no fallback warning), a
-    width the kernels cannot tile is refused with its reason."""
-    fp4 = dict(dtype=torch.bfloat16, fp4_ue8m0=True, hidden=4096, inter=2048)
+    """The support check: non-FP4 experts and prefill sizes are declined (no fallback warning); a
+    width the kernels cannot tile, more experts than the alignment holds, or fp32 activations are
+    refused with their reason."""
+    fp4 = dict(num_experts=256, dtype=torch.bfloat16, fp4_ue8m0=True, hidden=4096, inter=2048)
     assert isinstance(_cuda_supports(**fp4 | dict(fp4_ue8m0=False)), dispatch.Declined)
     assert isinstance(_cuda_supports(**fp4, pairs_per_expert=17.0), dispatch.Declined)
     refused = _cuda_supports(**fp4 | dict(hidden=4160), pairs_per_expert=1.0)
     assert "H and I multiples of 128" in refused and not isinstance(refused, dispatch.Declined)
+    too_many = _cuda_supports(**fp4 | dict(num_experts=2048), pairs_per_expert=1.0)  # past the triton alignment
+    assert "at most 1024 experts" in too_many and not isinstance(too_many, dispatch.Declined)
+    fp32 = _cuda_supports(**fp4 | dict(dtype=torch.float32), pairs_per_expert=1.0)
+    assert "bf16 activations" in fp32 and not isinstance(fp32, dispatch.Declined)
 
 
 def run_memcheck_case() -> None:

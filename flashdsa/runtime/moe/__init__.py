@@ -66,17 +66,16 @@ CUDA_MAX_PAIRS_PER_EXPERT = 16  # decode sizes: past this mean, Triton's bigger 
 CUDA_CHUNK = 128  # inputs per step of the native FP4 kernels (H and I multiples of it)
 
 
-def _cuda_supports(dtype: torch.dtype = torch.bfloat16, fp4_ue8m0: bool = False, pairs_per_expert: float = 0.0,
-                   hidden: int = 0, inter: int = 0, **_) -> Optional[str]:
+def _cuda_supports(num_experts: int, dtype: torch.dtype = torch.bfloat16, fp4_ue8m0: bool = False,
+                   pairs_per_expert: float = 0.0, hidden: int = 0, inter: int = 0, **_) -> Optional[str]:
     if not fp4_ue8m0:
         return dispatch.Declined("cuda fused_moe holds the FP4 (UE8M0-scaled) experts; triton runs the others")
     if pairs_per_expert > CUDA_MAX_PAIRS_PER_EXPERT:
         return dispatch.Declined(f"{pairs_per_expert:.0f} pairs an expert: triton's bigger tiles reuse the weights")
-    if dtype != torch.bfloat16:
-        return f"cuda fused_moe takes bf16 activations, got {dtype}"
-    if hidden % CUDA_CHUNK or inter % CUDA_CHUNK:
-        return f"cuda fused_moe needs H and I multiples of {CUDA_CHUNK}, got H={hidden}, I={inter}"
-    return native.unavailable()
+    reason = _triton_supports(num_experts, dtype)  # the alignment and the combine are triton's kernels
+    if reason is None and (hidden % CUDA_CHUNK or inter % CUDA_CHUNK):
+        reason = f"cuda fused_moe needs H and I multiples of {CUDA_CHUNK}, got H={hidden}, I={inter}"
+    return reason or native.unavailable()
 
 
 SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")  # DeepSeek-V3's, and V4's scoring_func choices
