@@ -1,5 +1,5 @@
-"""fused_moe (Triton, and the native W4A8 kernels for FP4 on SM90) at DeepSeek-V3.2's routed-expert shape (E=256, top-8, H=7168, I=2048) and
-DeepSeek-V4-Flash's (E=256, top-6, H=4096, I=2048).
+"""fused_moe (Triton, and the native W4A8 kernels for FP4 on SM90) at DeepSeek-V3.2's routed-expert
+shape (E=256, top-8, H=7168, I=2048) and DeepSeek-V4-Flash's (E=256, top-6, H=4096, I=2048).
 
 V3.2: for T in {1, 32, 128, 4096} tokens, bf16 and FP8 (e4m3, 128x128 block scales, pow2
 activation scales); V4-Flash: for T in {1, 32, 128}, bf16, FP8 and FP4 (the release's packed e2m1
@@ -149,19 +149,20 @@ def dense_anchor_tflops(shape: Shape, tokens: int, fmt: str, device) -> float:
 
 def bench_fused(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) -> tuple[list[Row], dict[int, float]]:
     rows, times = [], {}
+    timed = backends(fmt)
     for tokens in shape.tokens:
         sets = routed_inputs(shape, tokens, device)
-        for backend in backends(fmt):
+        desc = f"T={tokens} E={shape.experts} k={shape.top_k} H={shape.hidden} I={shape.inter}"
+        flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
+        block_m = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt).block_m
+        for backend in timed:
             calls = [moe_call(s, experts, fmt, backend=backend) for s in sets]
             eager = median_ms(calls)
             launches = count_launches(calls[0])
-            desc = f"T={tokens} E={shape.experts} k={shape.top_k} H={shape.hidden} I={shape.inter}"
-            flops = 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter
-            config = fused_moe.choose_config(tokens * shape.top_k, shape.experts, fmt)
-            shape_note = f"block_m {config.block_m}; " if backend == "triton" else "W4A8; "
+            shape_note = f"block_m {block_m}; " if backend == "triton" else "W4A8; "
             note = f"{launches} launches; {shape_note}{kernel_split(calls[0], top=4)}"
             label = f"fused_moe {shape.name} {fmt.upper() if fmt != 'bf16' else fmt}"
-            label += f" ({backend})" if len(backends(fmt)) > 1 else ""
+            label += f" ({backend})" if len(timed) > 1 else ""
             if tokens <= DECODE_MAX:
                 ms = graph_ms(calls)
                 chosen = sum(int(torch.unique(s["expert_ids"]).numel()) for s in sets) / len(sets)
@@ -176,7 +177,7 @@ def bench_fused(shape: Shape, fmt: str, experts: dict, copy_gbs: float, device) 
                 rows.append(Row(label, desc, ms, flops / ms / 1e9, "TFLOPS", anchor,
                                 f"vs dense {'torch._scaled_mm' if fmt == 'fp8' else 'torch.matmul'} {anchor:.0f} "
                                 f"TFLOPS; {note}"))
-            times.setdefault(tokens, ms)
+            times.setdefault(tokens, ms)  # the first backend's (triton's): the routing rows' yardstick
     return rows, times
 
 
