@@ -248,7 +248,21 @@ def test_gemm_kernels_compile_for_hopper_and_blackwell(launches):
         gemm.fp8_linear(torch.randn(m, 7168).to(dtype), torch.zeros(1536, 7168, dtype=torch.float8_e4m3fn),
                         torch.ones(12, 56), pow2, dtype)
     gemm.fp8_linear(torch.randn(3, 7000).bfloat16(), w_fp8, w_scale[:, :55].contiguous(), True, torch.bfloat16)
+    w_fp8, w_scale = torch.zeros(8 * 1024, 4096, dtype=torch.float8_e4m3fn), torch.ones(64, 32)  # V4's grouped wo_a
+    gemm.fp8_linear(torch.randn(1, 8 * 4096).bfloat16(), w_fp8, w_scale, True, torch.bfloat16, groups=8)
+    gemm.fp8_gemm(torch.zeros(1, 8 * 4096, dtype=torch.float8_e4m3fn), torch.ones(1, 256), w_fp8, w_scale,
+                  torch.bfloat16, groups=8)
     assert compile_all(launches, specialize=True) == ["_gemm_kernel", "_quantize_kernel", "_sum_splits_kernel"]
+
+
+def test_argmax_kernels_compile_for_hopper_and_blackwell(launches, monkeypatch):
+    """Greedy sampling's argmax over V4's vocabulary, from fp32 and bf16 logits."""
+    from flashdsa.runtime import argmax
+
+    monkeypatch.setattr(argmax, "interpreting", lambda: True)  # CPU tensors take the Triton path
+    for dtype in (torch.float32, torch.bfloat16):
+        argmax.argmax_rows(torch.zeros(3, 129280, dtype=dtype))
+    assert compile_all(launches, specialize=True) == ["_chunk_kernel", "_rows_kernel"]
 
 
 def test_norm_kernel_compiles_for_hopper_and_blackwell(launches):

@@ -60,7 +60,8 @@ class FP8Linear(nn.Module):
 class FP8GroupedLinear(FP8Linear):
     """``x: [S, groups, in] -> [S, groups * out]``: group g's ``in`` features through the weight rows
     ``[g*out, (g+1)*out)`` (e4m3, ``[groups * out, in]`` with its 128x128 block scales). ``out`` must
-    be a multiple of 128, so that every group owns whole scale blocks; each group is one FP8 GEMM."""
+    be a multiple of 128, so that every group owns whole scale blocks. In production mode the groups
+    are one grouped FP8 GEMM (``fp8_linear(groups=...)``: one launch at decode sizes)."""
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int, quantize_activations: bool = True,
                  pow2_scales: bool = False):
@@ -70,6 +71,9 @@ class FP8GroupedLinear(FP8Linear):
         self.groups, self.out_per_group = groups, out_per_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_activations and self.in_features % GROUP == 0:
+            return fp8_linear(x.flatten(-2), self.weight, self.weight_scale_inv, groups=self.groups,
+                              pow2_scales=self.pow2_scales)
         rows, blocks = self.out_per_group, self.out_per_group // GROUP
         return torch.cat([self._matmul(x[:, g], self.weight[g * rows:(g + 1) * rows],
                                        self.weight_scale_inv[g * blocks:(g + 1) * blocks])

@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from flashdsa.runtime.argmax import argmax_rows
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.metadata import BatchMetadata, advance
 from flashdsa.runtime.speculative import pack_verdict
@@ -309,5 +310,5 @@ class DecodeGraphs:
         packed into ``source`` (``speculative.pack_verdict``)."""
         logits, hidden = self._forward(batch)
         drafts = self._field("ids", 2 * batch)[1::2]
-        pack_verdict(logits.argmax(dim=1), drafts, lambda next_ids, rows: self._mtp(batch, hidden, next_ids, rows),
+        pack_verdict(argmax_rows(logits), drafts, lambda next_ids, rows: self._mtp(batch, hidden, next_ids, rows),
                      True, self.source[: 5 * batch])

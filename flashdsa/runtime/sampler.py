@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from flashdsa.runtime.argmax import argmax_rows
 from flashdsa.runtime.sequence import Sequence, TokenLogprobs
 from flashdsa.runtime.structured import apply_bitmask
 from flashdsa.runtime.transfer import tensor_on, to_device
@@ -170,7 +171,7 @@ def sampling_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """One token per row of ``probs: [N, vocab]`` (exponential race; seeded rows use their generator)."""
-    return (probs / _exponential_noise(probs.shape, seqs, probs.device)).argmax(dim=1)
+    return argmax_rows(probs / _exponential_noise(probs.shape, seqs, probs.device))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -180,7 +181,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], token_bitmask: Optional[t
     allows (runtime/structured.py), or None.
     """
     logits = adjust_logits(logits, seqs, token_bitmask)
-    greedy_tokens = logits.argmax(dim=1)
+    greedy_tokens = argmax_rows(logits)
     if all(s.params.greedy for s in seqs):
         return greedy_tokens
     sampled = draw(sampling_probs(logits, seqs), seqs)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from flashdsa.runtime.argmax import argmax_rows
 from flashdsa.runtime.sampler import adjust_logits, adjusts_logits, draw, sample, sampled_logprobs, sampling_probs
 from flashdsa.runtime.scheduler import ScheduledChunk
 from flashdsa.runtime.sequence import Sequence, SequenceStatus, TokenLogprobs
@@ -78,7 +79,7 @@ def verify_drafts(
     logits: [N, vocab] fp32, row i the distribution of seqs[i]'s next token; drafts[i] the token
     drafted for it, or None (no draft: the row is sampled as without speculation)."""
     logits = adjust_logits(logits, seqs, token_bitmask)
-    tokens = logits.argmax(dim=1)
+    tokens = argmax_rows(logits)
     device = logits.device
     draft = torch.tensor([-1 if d is None else d for d in drafts], device=device)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -202,7 +203,7 @@ def pack_verdict(picks: torch.Tensor, drafts: torch.Tensor, mtp: Callable[[torch
     no host sync: a CUDA graph captures it (``DecodeGraphs.replay_verdict``)."""
     accepted = picks[0::2] == drafts
     rows = torch.arange(accepted.numel(), device=picks.device) * 2 + accepted
-    next_drafts = mtp(picks, rows).argmax(dim=1)
+    next_drafts = argmax_rows(mtp(picks, rows))
     last = [picks.index_select(0, rows)] if with_tokens else []  # flat token ``rows[i]`` is row i's last new one
     return torch.cat([picks, accepted.long(), *last, next_drafts], out=out)
 
@@ -220,7 +221,7 @@ def verify_on_device(runner: "ModelRunner", logits: torch.Tensor, seqs: list[Seq
     ``verdict_buffer`` where it has one (a CUDA graph of the next step reads it in place), else a
     new tensor. Nothing here waits for the GPU. (An all-greedy step the decode graphs run does all
     of this inside their graph instead: ``ModelRunner.run(..., verify=True)``.)"""
-    picks = logits.argmax(dim=1)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
+    picks = argmax_rows(logits)  # [2N]: t_n and, if the draft holds, t_{n+1} of each chunk
     drafts = runner.last_input_ids()[1::2]  # the step's odd input ids, on the device: no host copy to wait for
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
@@ -293,7 +294,7 @@ class Speculation:
         next_ids, rows, owners = mtp_inputs(chunks, new_tokens)
         try:
             ids, flat = torch.tensor(next_ids, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)
-            drafts = self.runner.draft(ids, flat).argmax(dim=1).tolist()
+            drafts = argmax_rows(self.runner.draft(ids, flat)).tolist()
         except Exception:
             logger.exception("the MTP layer failed; this step drafts nothing")
             drafts = [None] * len(owners)

@@ -119,6 +119,18 @@ def test_fp8_linear_keeps_leading_dims_and_dtype():
     assert fp8_linear(x[0, 0], w_fp8, w_scale).shape == (70,)
 
 
+def test_grouped_fp8_linear_runs_each_group_through_its_own_rows():
+    """``groups=3``: x's columns [256 g, 256 (g + 1)) through weight rows [128 g, 128 (g + 1)), as
+    three separate linears would (the reference backend runs them group by group)."""
+    g = generator(6)
+    w_fp8, w_scale = quantize_weight(torch.randn(3 * 128, 256, generator=g))
+    x = torch.randn(2, 5, 3 * 256, generator=g).bfloat16()
+    y = fp8_linear(x, w_fp8, w_scale, groups=3, pow2_scales=True)
+    want = torch.cat([fp8_linear(x[..., i * 256:(i + 1) * 256], w_fp8[i * 128:(i + 1) * 128], w_scale[i:i + 1],
+                                 pow2_scales=True) for i in range(3)], dim=-1)
+    assert y.shape == (2, 5, 384) and y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
 # ---------------------------------------------------------------- input checks
 
 
@@ -159,6 +171,13 @@ def test_bad_out_dtype_and_bad_activations_raise_value_errors():
         fp8_linear([1.0], *good_inputs()[2:])
     with pytest.raises(ValueError, match="w_fp8 must be float8_e4m3fn .N, K=64."):
         fp8_linear(torch.zeros(2, 64), *good_inputs()[2:])
+    w_fp8, w_scale = quantize_weight(torch.zeros(256, 128))
+    with pytest.raises(ValueError, match="groups must be an int >= 1, got 0"):
+        fp8_linear(torch.zeros(2, 256), w_fp8, w_scale, groups=0)
+    with pytest.raises(ValueError, match="x must have K > 0 features a group .3 groups."):
+        fp8_linear(torch.zeros(2, 256), w_fp8, w_scale, groups=3)
+    with pytest.raises(ValueError, match="a grouped w_fp8 must have groups .4. x N rows, N and K multiples of 128"):
+        fp8_linear(torch.zeros(2, 512), w_fp8, w_scale, groups=4)
 
 
 def test_triton_gemm_reports_a_device_without_fp8_tensor_cores(monkeypatch):

@@ -87,6 +87,38 @@ def check_one_launch(m: int, n: int, k: int, dtype: torch.dtype, pow2: bool, dev
         assert counters is None or not counters.any(), f"{what}: ticket counters left at {counters.nonzero()}"
 
 
+def check_grouped(m: int, groups: int, n: int, k: int, dtype: torch.dtype, pow2: bool, device,
+                  config: GemmConfig | None = None) -> None:
+    """A grouped projection (``groups`` weights [n, k] stacked) through the public ``fp8_linear``
+    (one launch or quantize + grouped GEMM, by size) and, with ``config``, through both kernels with
+    that launch shape (bit-equal to each other): each group's columns within the GEMM tolerance of
+    that group's own product."""
+    from flashdsa.runtime.gemm.triton import gemm as kernels
+
+    w_fp8, w_scale = weight(groups * n, k, str(torch.device(device)))
+    x = one_launch_activations(m, groups * k, dtype, device, groups)
+    x_fp8, x_scale = quantize_activations(x, pow2_scales=pow2, backend="triton")
+    what = f"M={m} groups={groups} N={n} K={k} {dtype} pow2={pow2} {config or 'heuristic'}"
+    outs = [fp8_linear(x, w_fp8, w_scale, groups=groups, pow2_scales=pow2, backend="triton")]
+    if config is not None:
+        outs.append(kernels.fp8_linear(x, w_fp8, w_scale, pow2, dtype, config=config, groups=groups))
+        outs.append(kernels.fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, dtype, config=config, groups=groups))
+        assert torch.equal(outs[1], outs[2]), f"seed {SEED} {what}: one launch != quantize + grouped GEMM"
+    kb = k // GROUP
+    for got in outs:
+        assert got.shape == (m, groups * n) and got.dtype == dtype, what
+        for g in range(groups):
+            assert_gemm_close(got[:, g * n:(g + 1) * n], x_fp8[:, g * k:(g + 1) * k], x_scale[:, g * kb:(g + 1) * kb],
+                              w_fp8[g * n:(g + 1) * n], w_scale[g * n // GROUP:(g + 1) * n // GROUP], f"{what} group {g}")
+
+
+GROUPED_CASES = [  # (M, groups, N, K, dtype, pow2, config): swap-AB split K, TMA, tokens on the M side, prefill size
+    (1, 3, 128, 256, torch.bfloat16, True, GemmConfig(16, 64, 2, swap_ab=True)),
+    (3, 2, 256, 384, torch.float32, False, GemmConfig(16, 32, 3, swap_ab=True, tma=True)),
+    (5, 2, 128, 256, torch.bfloat16, True, GemmConfig(16, 128, 1)),
+    (70, 2, 128, 256, torch.bfloat16, False, None),
+]
+
 ONE_LAUNCH_CASES = [  # (M, N, K, dtype, pow2, config): M = 1, 3, 17, 64; N and K off multiples of 64 / 128
     (1, 70, 300, torch.bfloat16, True, GemmConfig(16, 64, 3, swap_ab=True)),
     (3, 130, 700, torch.float32, False, GemmConfig(16, 64, 2, swap_ab=True)),
@@ -134,6 +166,8 @@ def run_interpreter_cases() -> None:
         assert torch.equal(got.view(6, 70), fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, backend="triton"))
         for m, n, k, dtype, pow2, config in ONE_LAUNCH_CASES:
             check_one_launch(m, n, k, dtype, pow2, cpu, config, calls=2 if m == 1 else 1)
+        for *shape, config in GROUPED_CASES:
+            check_grouped(*shape, cpu, config)
 
 
 def test_triton_under_interpreter():
@@ -188,6 +222,16 @@ def test_every_swept_config_matches_reference(m, name):
     for config in candidates(m, n, k, torch.cuda.get_device_properties(cuda).multi_processor_count):
         flood_cuda_allocator_with_nan(cuda)
         check_gemm(m, n, k, cuda, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 32, 600])
+def test_grouped_v4_output_projection_matches_reference(m):
+    """DeepSeek-V4-Flash's wo_a (8 groups of 4096 -> 1024) at decode and prefill sizes."""
+    flood_cuda_allocator_with_nan(cuda)
+    check_grouped(m, 8, 1024, 4096, torch.bfloat16, True, cuda)
+    if m <= 4:
+        check_grouped(m, 8, 1024, 4096, torch.bfloat16, True, cuda, GemmConfig(16, 64, 4, swap_ab=True))
 
 
 @pytest.mark.gpu
@@ -297,6 +341,8 @@ def run_memcheck_case() -> None:
             check_gemm(m, n, k, cuda, config)
     for m, n, k, dtype, pow2, config in ONE_LAUNCH_CASES:
         check_one_launch(m, n, k, dtype, pow2, cuda, config, calls=2)
+    for *shape, config in GROUPED_CASES:
+        check_grouped(*shape, cuda, config)
     torch.cuda.synchronize()
 
 

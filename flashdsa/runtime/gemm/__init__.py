@@ -137,21 +137,44 @@ def fp8_gemm_backend(m: int, n: int, k: int, device: torch.device, out_dtype: to
     return dispatch.choose("fp8_gemm", device, backend, **_gemm_facts(m, n, k, device, out_dtype))
 
 
-def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, pow2_scales: bool = False,
-               backend: Optional[str] = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, groups: int = 1,
+               pow2_scales: bool = False, backend: Optional[str] = None) -> torch.Tensor:
     """``x: [..., K]`` float through the block-scaled e4m3 weight ``w_fp8: [N, K]`` -> ``[..., N]`` in x's dtype:
     :func:`quantize_activations` then :func:`fp8_gemm`. Where both run on Triton and one launch pays
     (:func:`one_launch_pays`: a few tokens through a small weight), that is one kernel
-    (``triton/gemm.py``) with the same bits."""
+    (``triton/gemm.py``) with the same bits.
+
+    ``groups`` > 1 is a grouped projection (DeepSeek-V4's ``wo_a``): ``x: [..., groups * K]`` and
+    ``w_fp8: [groups * N, K]`` (K and N multiples of 128), group g's K inputs through the weight rows
+    ``[g N, (g + 1) N)`` -> ``[..., groups * N]``; on Triton all groups run in one launch, on the
+    other backends group by group."""
     check(isinstance(x, torch.Tensor) and x.dim() >= 1, f"x must be a tensor [..., K], got {type(x).__name__}")
+    check(isinstance(groups, int) and groups >= 1, f"groups must be an int >= 1, got {groups!r}")
     x2 = x.reshape(-1, x.shape[-1])
     check_tensor("x", x2, FLOAT_DTYPES, [None, None], "bf16/fp16/fp32 [..., K]", contiguous=False)
-    check(x2.shape[1] > 0, f"x must have K > 0, got {list(x.shape)}")
-    _check_weight(w_fp8, w_scale, x2.shape[1], x2.device)
-    if _one_launch(x2, w_fp8, backend):
+    check(x2.shape[1] > 0 and x2.shape[1] % groups == 0,
+          f"x must have K > 0 features a group ({groups} groups), got {list(x.shape)}")
+    k = x2.shape[1] // groups
+    _check_weight(w_fp8, w_scale, k, x2.device)
+    n = w_fp8.shape[0] // groups
+    if groups > 1:
+        check(w_fp8.shape[0] % groups == 0 and n % GROUP == 0 and k % GROUP == 0,
+              f"a grouped w_fp8 must have groups ({groups}) x N rows, N and K multiples of {GROUP}, "
+              f"got {list(w_fp8.shape)}")
+        if fp8_gemm_backend(x2.shape[0], n, k, x2.device, x.dtype, backend=backend) != "triton":
+            y = torch.cat([fp8_linear(x2[:, g * k:(g + 1) * k], w_fp8[g * n:(g + 1) * n],
+                                      w_scale[g * n // GROUP:(g + 1) * n // GROUP], pow2_scales=pow2_scales,
+                                      backend=backend) for g in range(groups)], dim=1)
+            return y.view(*x.shape[:-1], groups * n)
+    if _one_launch(x2, w_fp8, k, backend):
         from flashdsa.runtime.gemm.triton.gemm import fp8_linear as impl
 
-        y = impl(x2, w_fp8, w_scale, pow2_scales, x.dtype)
+        y = impl(x2, w_fp8, w_scale, pow2_scales, x.dtype, groups=groups)
+    elif groups > 1:
+        from flashdsa.runtime.gemm.triton.gemm import fp8_gemm as grouped
+
+        x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
+        y = grouped(x_fp8, x_scale, w_fp8, w_scale, x.dtype, groups=groups)
     else:
         x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
         y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
@@ -170,10 +193,10 @@ def one_launch_pays(m: int, n: int, k: int) -> bool:
     return 0 < m <= ONE_LAUNCH_MAX_M and n * k <= ONE_LAUNCH_MAX_WEIGHT_BYTES
 
 
-def _one_launch(x: torch.Tensor, w_fp8: torch.Tensor, backend: Optional[str]) -> bool:
+def _one_launch(x: torch.Tensor, w_fp8: torch.Tensor, k: int, backend: Optional[str]) -> bool:
     """Whether :func:`fp8_linear` runs as the one Triton kernel: it pays at this shape
-    (:func:`one_launch_pays`) and both ops chose Triton."""
-    (m, k), n = x.shape, w_fp8.shape[0]
+    (:func:`one_launch_pays`, all groups' weights together) and both ops chose Triton."""
+    m, n = x.shape[0], w_fp8.shape[0]
     if not one_launch_pays(m, n, k) or fp8_gemm_backend(m, n, k, x.device, x.dtype, backend=backend) != "triton":
         return False
     return dispatch.choose("quantize_activations", x.device, backend) == "triton"

@@ -47,10 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 @triton.jit
-def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program, in groups of GROUP_M row tiles so that neighbours share
-    weight tiles in L2 (grouped order)."""
-    pid = tl.program_id(0)
+def _tile_coords(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile ``pid`` of an [M, N] output, in groups of GROUP_M row tiles so that
+    neighbours share weight tiles in L2 (grouped order)."""
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -60,15 +59,16 @@ def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
 
 
 @triton.jit
-def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, n0, K, amax_floor, e4m3_max, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr):
+def _load_group(x_src, w_src, xs_ptrs, ws_ptrs, kb, m0, x_k0, w_n0, K, amax_floor, e4m3_max,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr,
+                POW2: tl.constexpr):
     """Group kb: the x and w tiles (zeros past K), x_scale[m, kb] and w_scale[., kb]. The tiles
-    come through TMA descriptors (boxes at rows m0 / n0; the copy engine fills zeros past the
-    tensor) or from pointer tiles at group 0. With QUANTIZE x is float: its tile is quantized
-    here (e4m3 codes, and the scales in place of x_scale's)."""
+    come through TMA descriptors (boxes at row m0 and column x_k0 of x, row w_n0 of w; the copy
+    engine fills zeros past the tensor) or from pointer tiles at group 0. With QUANTIZE x is
+    float: its tile is quantized here (e4m3 codes, and the scales in place of x_scale's)."""
     if USE_TMA:
-        x = x_src.load([m0, kb * BLOCK_K])
-        w = w_src.load([n0, kb * BLOCK_K])
+        x = x_src.load([m0, x_k0 + kb * BLOCK_K])
+        w = w_src.load([w_n0, kb * BLOCK_K])
     elif EVEN_K:
         x = tl.load(x_src + kb * BLOCK_K)
         w = tl.load(w_src + kb * BLOCK_K)
@@ -114,22 +114,31 @@ def _add_scaled(acc, product, xs, ws, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M, N, K, stride_x, num_kb,
-                 kb_per_split, stride_split, amax_floor, e4m3_max, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 kb_per_split, stride_split, stride_out, amax_floor, e4m3_max, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr, DEFER: tl.constexpr,
                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, QUANTIZE: tl.constexpr, POW2: tl.constexpr,
                  SPLIT: tl.constexpr, TICKETS: tl.constexpr):
     """x: [M, K] e4m3 (rows stride_x apart), xs: [M, num_kb] fp32, w: [N, K] e4m3, ws: [ceil(N/128),
     num_kb] fp32 -> the sum over groups [split * kb_per_split, ...): into out: [M, N], or with SPLIT
-    into part[split]: [M, N] fp32 (stride_split = M * N elements apart), where with TICKETS the last
-    split of the tile to finish adds part[0], part[1], ... into out (tickets: one int32 counter a
-    tile, 0 before and after).
+    into part[split]: [M, N] fp32 (stride_split elements apart), where with TICKETS the last split
+    of the tile to finish adds part[0], part[1], ... into out (tickets: one int32 counter a tile, 0
+    before and after). Rows of out and of each part are stride_out apart.
+    A grouped projection (G = stride_out // N > 1, N a multiple of 128) runs G such products in
+    one launch, the programs of group g after those of g - 1: x's columns [g K, (g + 1) K) (x and
+    xs rows hold all groups) through w's rows [g N, (g + 1) N) into out's columns [g N, (g + 1) N).
     x_src / w_src: pointers, or with USE_TMA descriptors of x and w with [BLOCK_M / BLOCK_N, 128] boxes.
     QUANTIZE: x is bf16/fp16/fp32, quantized group by group here like quantize_activations
     (POW2: power-of-two scales); xs is unused. DEFER adds each group's scaled product one step
     late, while the next group's dot runs."""
-    pid_m, pid_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    group = tl.program_id(0) // tiles
+    pid_m, pid_n = _tile_coords(tl.program_id(0) % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
+    x_k0 = group * K  # the group's first column of x, row of w (below) and column of out
+    w_n0 = group * N + n0
+    groups_kb = (stride_out // N) * num_kb  # row stride of xs
     # rows of the tile, clamped to the last real row: rows past M or N are read but never stored.
     # 64-bit offsets only for the tile's origin; within a tile 32 bits hold them (fewer registers).
     rm = tl.minimum(tl.arange(0, BLOCK_M), M - 1 - m0)
@@ -138,13 +147,13 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M
         x_tile, w_tile = x_src, w_src
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        x_tile = x_src + m0.to(tl.int64) * stride_x + rm[:, None] * stride_x + offs_k[None, :]
-        w_tile = w_src + n0.to(tl.int64) * K + rn[:, None] * K + offs_k[None, :]
-    xs_ptrs = xs_ptr + (m0 + rm) * num_kb
+        x_tile = x_src + m0.to(tl.int64) * stride_x + x_k0 + rm[:, None] * stride_x + offs_k[None, :]
+        w_tile = w_src + w_n0.to(tl.int64) * K + rn[:, None] * K + offs_k[None, :]
+    xs_ptrs = xs_ptr + (m0 + rm) * groups_kb + group * num_kb
     if BLOCK_N <= BLOCK_K:  # the tile lies in one 128-row weight block: one scale per group
-        ws_ptrs = ws_ptr + (n0 // BLOCK_K) * num_kb + tl.arange(0, 1)
+        ws_ptrs = ws_ptr + (w_n0 // BLOCK_K) * num_kb + tl.arange(0, 1)
     else:
-        ws_ptrs = ws_ptr + ((n0 + rn) // BLOCK_K) * num_kb
+        ws_ptrs = ws_ptr + ((w_n0 + rn) // BLOCK_K) * num_kb
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -153,8 +162,8 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M
         last, last_xs, last_ws = acc, tl.zeros(xs_ptrs.shape, tl.float32), tl.zeros(ws_ptrs.shape, tl.float32)
     kb_start = tl.program_id(1) * kb_per_split
     for kb in range(kb_start, tl.minimum(kb_start + kb_per_split, num_kb)):
-        x, w, xs, ws = _load_group(x_tile, w_tile, xs_ptrs, ws_ptrs, kb, m0, n0, K, amax_floor, e4m3_max, BLOCK_K,
-                                   EVEN_K, USE_TMA, QUANTIZE, POW2)
+        x, w, xs, ws = _load_group(x_tile, w_tile, xs_ptrs, ws_ptrs, kb, m0, x_k0, w_n0, K, amax_floor, e4m3_max,
+                                   BLOCK_K, EVEN_K, USE_TMA, QUANTIZE, POW2)
         product = _dot(x, w, SWAP_AB)
         if DEFER:
             acc = _add_scaled(acc, last, last_xs, last_ws, SWAP_AB)
@@ -163,14 +172,14 @@ def _gemm_kernel(x_src, xs_ptr, w_src, ws_ptr, out_ptr, part_ptr, tickets_ptr, M
             acc = _add_scaled(acc, product, xs, ws, SWAP_AB)
     if DEFER:
         acc = _add_scaled(acc, last, last_xs, last_ws, SWAP_AB)
-    tile = m0.to(tl.int64) * N + n0  # the tile's origin in out and in each part[split]
+    tile = m0.to(tl.int64) * stride_out + group * N + n0  # the tile's origin in out and in each part[split]
     tm = tl.arange(0, BLOCK_M)
     tn = tl.arange(0, BLOCK_N)
     if SWAP_AB:
-        offs = tm[None, :] * N + tn[:, None]
+        offs = tm[None, :] * stride_out + tn[:, None]
         mask = (tm[None, :] < M - m0) & (tn[:, None] < N - n0)
     else:
-        offs = tm[:, None] * N + tn[None, :]
+        offs = tm[:, None] * stride_out + tn[None, :]
         mask = (tm[:, None] < M - m0) & (tn[None, :] < N - n0)
     if SPLIT:
         tl.store(part_ptr + tl.program_id(1).to(tl.int64) * stride_split + tile + offs, acc, mask=mask)
@@ -246,12 +255,16 @@ def _counters_for(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
 
 
 def _launch(x: torch.Tensor, x_scale: Optional[torch.Tensor], w_fp8: torch.Tensor, w_scale: torch.Tensor,
-            out_dtype: torch.dtype, cfg: GemmConfig, pow2_scales: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype, cfg: GemmConfig, pow2_scales: bool = False, groups: int = 1) -> torch.Tensor:
     """``x @ dequant(w)^T`` into a new [M, N] ``out_dtype`` tensor: x e4m3 with ``x_scale``, or
-    float (``x_scale`` None: quantized in the kernel, then split K sums through tickets)."""
-    m, k = x.shape
-    n = w_fp8.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    float (``x_scale`` None: quantized in the kernel, then split K sums through tickets). With
+    ``groups`` > 1, x: [M, groups * K] and w: [groups * N, K] are a grouped projection (the kernel's
+    docstring) -> [M, groups * N]."""
+    m, k = x.shape[0], x.shape[1] // groups
+    n = w_fp8.shape[0] // groups
+    if groups > 1 and (n % cfg.block_n or k % GROUP):
+        raise ValueError(f"a grouped launch needs K ({k}) a multiple of {GROUP} and N ({n}) of the tile's {cfg.block_n}")
+    out = torch.empty(m, groups * n, dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out
     if k == 0:
@@ -260,43 +273,45 @@ def _launch(x: torch.Tensor, x_scale: Optional[torch.Tensor], w_fp8: torch.Tenso
     num_kb = triton.cdiv(k, GROUP)
     kb_per_split = triton.cdiv(num_kb, cfg.split_k)
     splits = triton.cdiv(num_kb, kb_per_split)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    parts = None if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=out.device)
+    tiles = groups * triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    parts = None if splits == 1 else torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
     tickets = _counters_for(out.device, tiles) if quantize and parts is not None else None
     use_tma = cfg.tma and not quantize and _tma_ready(x, w_fp8)
     x_src = TensorDescriptor.from_tensor(x, [cfg.block_m, GROUP]) if use_tma else x
     w_src = TensorDescriptor.from_tensor(w_fp8, [cfg.block_n, GROUP]) if use_tma else w_fp8
     _gemm_kernel[(tiles, splits)](  # pointers a variant does not read get out's or x's
         x_src, x if quantize else x_scale, w_src, w_scale, out, out if parts is None else parts,
-        out if tickets is None else tickets, m, n, k, x.stride(0), num_kb, kb_per_split, m * n, AMAX_FLOOR, E4M3_MAX,
+        out if tickets is None else tickets, m, n, k, x.stride(0), num_kb, kb_per_split, out.numel(), out.shape[1],
+        AMAX_FLOOR, E4M3_MAX,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
         DEFER=cfg.defer, EVEN_K=k % GROUP == 0, USE_TMA=use_tma, QUANTIZE=quantize, POW2=pow2_scales,
         SPLIT=parts is not None, TICKETS=tickets is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if parts is not None and tickets is None:
-        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n, splits, BLOCK=SUM_BLOCK, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(out.numel(), SUM_BLOCK),)](parts, out, out.numel(), splits, BLOCK=SUM_BLOCK,
+                                                                   num_warps=4)
     return out
 
 
 def fp8_gemm(x_fp8: torch.Tensor, x_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
-             out_dtype: torch.dtype, config: Optional[GemmConfig] = None) -> torch.Tensor:
+             out_dtype: torch.dtype, config: Optional[GemmConfig] = None, groups: int = 1) -> torch.Tensor:
     """x_fp8: [M, K] e4m3, x_scale: [M, ceil(K/128)] fp32, w_fp8: [N, K] e4m3, w_scale:
     [ceil(N/128), ceil(K/128)] fp32 -> [M, N] ``out_dtype``. ``config`` overrides the heuristic's
-    launch shape (benchmarks sweep it)."""
-    m, k = x_fp8.shape
-    cfg = config or choose_config(m, w_fp8.shape[0], k, x_fp8.device)
-    return _launch(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cfg)
+    launch shape (benchmarks sweep it). ``groups`` > 1: a grouped projection (K and N per group
+    multiples of 128; x: [M, groups * K], w: [groups * N, K] -> [M, groups * N]), one launch."""
+    cfg = config or choose_config(x_fp8.shape[0], w_fp8.shape[0], x_fp8.shape[1] // groups, x_fp8.device)
+    return _launch(x_fp8, x_scale, w_fp8, w_scale, out_dtype, cfg, groups=groups)
 
 
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, pow2_scales: bool,
-               out_dtype: torch.dtype, config: Optional[GemmConfig] = None) -> torch.Tensor:
+               out_dtype: torch.dtype, config: Optional[GemmConfig] = None, groups: int = 1) -> torch.Tensor:
     """x: [M, K] bf16/fp16/fp32 (rows may be strided), 0 < M <= DECODE_MAX_M, quantized per token
-    and 128 channels in the kernel (``pow2_scales`` as in quantize_activations); w_fp8, w_scale as in
-    :func:`fp8_gemm` -> [M, N] ``out_dtype``, one launch: quantize_activations then fp8_gemm, bit
-    for bit. ``config`` overrides the heuristic's (swap-AB) launch shape."""
-    m, k = x.shape
+    and 128 channels in the kernel (``pow2_scales`` as in quantize_activations); w_fp8, w_scale and
+    ``groups`` as in :func:`fp8_gemm` -> [M, N] ``out_dtype``, one launch: quantize_activations then
+    fp8_gemm, bit for bit. ``config`` overrides the heuristic's (swap-AB) launch shape."""
+    m = x.shape[0]
     if not 0 < m <= DECODE_MAX_M:
         raise ValueError(f"x must have 1..{DECODE_MAX_M} rows (the decode regime), got {list(x.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    return _launch(x, None, w_fp8, w_scale, out_dtype, config or choose_config(m, w_fp8.shape[0], k, x.device),
-                   pow2_scales)
+    cfg = config or choose_config(m, w_fp8.shape[0], x.shape[1] // groups, x.device)
+    return _launch(x, None, w_fp8, w_scale, out_dtype, cfg, pow2_scales, groups)
