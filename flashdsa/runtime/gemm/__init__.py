@@ -140,14 +140,15 @@ def fp8_gemm_backend(m: int, n: int, k: int, device: torch.device, out_dtype: to
 def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, groups: int = 1,
                pow2_scales: bool = False, backend: Optional[str] = None) -> torch.Tensor:
     """``x: [..., K]`` float through the block-scaled e4m3 weight ``w_fp8: [N, K]`` -> ``[..., N]`` in x's dtype:
-    :func:`quantize_activations` then :func:`fp8_gemm`. Where both run on Triton and one launch pays
-    (:func:`one_launch_pays`: a few tokens through a small weight), that is one kernel
-    (``triton/gemm.py``) with the same bits.
+    :func:`quantize_activations` then :func:`fp8_gemm` (:func:`composed_linear`). At 1..4 tokens on
+    an H100/H200 that is the native decode GEMV (``cuda/gemv.py``: one launch); elsewhere, where both
+    run on Triton and one launch pays (:func:`one_launch_pays`: a few tokens through a small weight),
+    one Triton kernel (``triton/gemm.py``) with the same bits.
 
     ``groups`` > 1 is a grouped projection (DeepSeek-V4's ``wo_a``): ``x: [..., groups * K]`` and
     ``w_fp8: [groups * N, K]`` (K and N multiples of 128), group g's K inputs through the weight rows
-    ``[g N, (g + 1) N)`` -> ``[..., groups * N]``; on Triton all groups run in one launch, on the
-    other backends group by group."""
+    ``[g N, (g + 1) N)`` -> ``[..., groups * N]``; natively and on Triton all groups run in one
+    launch, on the other backends group by group."""
     check(isinstance(x, torch.Tensor) and x.dim() >= 1, f"x must be a tensor [..., K], got {type(x).__name__}")
     check(isinstance(groups, int) and groups >= 1, f"groups must be an int >= 1, got {groups!r}")
     x2 = x.reshape(-1, x.shape[-1])
@@ -156,29 +157,50 @@ def fp8_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, g
           f"x must have K > 0 features a group ({groups} groups), got {list(x.shape)}")
     k = x2.shape[1] // groups
     _check_weight(w_fp8, w_scale, k, x2.device)
+    check(groups == 1 or (w_fp8.shape[0] % groups == 0 and (w_fp8.shape[0] // groups) % GROUP == 0 and k % GROUP == 0),
+          f"a grouped w_fp8 must have groups ({groups}) x N rows, N and K multiples of {GROUP}, got {list(w_fp8.shape)}")
+    device = x2.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    impl = dispatch.select("fp8_linear", device, backend, m=x2.shape[0], n=w_fp8.shape[0], k=k, groups=groups,
+                           capability=capability)
+    return impl(x2, w_fp8, w_scale, groups, pow2_scales, backend).view(*x.shape[:-1], w_fp8.shape[0])
+
+
+def composed_linear(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, groups: int, pow2_scales: bool,
+                    backend: Optional[str]) -> torch.Tensor:
+    """:func:`fp8_linear` (arguments checked there; x: [M, groups * K]) as the quantizer and the GEMM
+    of ``backend`` (None: each op's automatic choice): its ``triton`` and ``reference`` backends."""
+    m, k = x.shape[0], x.shape[1] // groups
     n = w_fp8.shape[0] // groups
-    if groups > 1:
-        check(w_fp8.shape[0] % groups == 0 and n % GROUP == 0 and k % GROUP == 0,
-              f"a grouped w_fp8 must have groups ({groups}) x N rows, N and K multiples of {GROUP}, "
-              f"got {list(w_fp8.shape)}")
-        if fp8_gemm_backend(x2.shape[0], n, k, x2.device, x.dtype, backend=backend) != "triton":
-            y = torch.cat([fp8_linear(x2[:, g * k:(g + 1) * k], w_fp8[g * n:(g + 1) * n],
-                                      w_scale[g * n // GROUP:(g + 1) * n // GROUP], pow2_scales=pow2_scales,
-                                      backend=backend) for g in range(groups)], dim=1)
-            return y.view(*x.shape[:-1], groups * n)
-    if _one_launch(x2, w_fp8, k, backend):
+    if groups > 1 and fp8_gemm_backend(m, n, k, x.device, x.dtype, backend=backend) != "triton":
+        return torch.cat([composed_linear(x[:, g * k:(g + 1) * k], w_fp8[g * n:(g + 1) * n],
+                                          w_scale[g * n // GROUP:(g + 1) * n // GROUP], 1, pow2_scales, backend)
+                          for g in range(groups)], dim=1)
+    if _one_launch(x, w_fp8, k, backend):
         from flashdsa.runtime.gemm.triton.gemm import fp8_linear as impl
 
-        y = impl(x2, w_fp8, w_scale, pow2_scales, x.dtype, groups=groups)
-    elif groups > 1:
-        from flashdsa.runtime.gemm.triton.gemm import fp8_gemm as grouped
+        return impl(x, w_fp8, w_scale, pow2_scales, x.dtype, groups=groups)
+    x_fp8, x_scale = quantize_activations(x, pow2_scales=pow2_scales, backend=backend)
+    if groups == 1:
+        return fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
+    from flashdsa.runtime.gemm.triton.gemm import fp8_gemm as grouped
 
-        x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
-        y = grouped(x_fp8, x_scale, w_fp8, w_scale, x.dtype, groups=groups)
-    else:
-        x_fp8, x_scale = quantize_activations(x2, pow2_scales=pow2_scales, backend=backend)
-        y = fp8_gemm(x_fp8, x_scale, w_fp8, w_scale, x.dtype, backend=backend)
-    return y.view(*x.shape[:-1], w_fp8.shape[0])
+    return grouped(x_fp8, x_scale, w_fp8, w_scale, x.dtype, groups=groups)
+
+
+def _native_linear_supports(m: int = 0, n: int = 0, k: int = 0, groups: int = 1,
+                            capability: Optional[tuple[int, int]] = None, **_) -> Optional[str]:
+    """The native GEMV's support check (``cuda/__init__.py``), declining (not refusing) the calls it
+    leaves to the composed path: a forced ``cuda`` backend still runs them there."""
+    from flashdsa.runtime.gemm.cuda import supports
+
+    reason = supports(m, n, k, groups, capability)
+    return None if reason is None else dispatch.Declined(reason)
+
+
+dispatch.register("fp8_linear", "cuda", f"{__name__}.cuda.gemv:fp8_linear", supports=_native_linear_supports)
+for _backend in ("triton", "reference"):
+    dispatch.register("fp8_linear", _backend, f"{__name__}:composed_linear")
 
 
 ONE_LAUNCH_MAX_M = 4
