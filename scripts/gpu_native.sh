@@ -23,10 +23,11 @@ status=0
 { time python3 -m flashdsa.cli build-kernels --compile-only && time python3 -m flashdsa.cli build-kernels; } \
   2>&1 | tee "$out/build.log" || status=1
 python3 -m pytest -q -rfEs tests/native tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py \
-  tests/moe/test_cuda_fp4_moe.py \
+  tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py \
   2>&1 | tee "$out/tests.log" || status=1
 if command -v compute-sanitizer >/dev/null; then
-  for t in tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py tests/moe/test_cuda_fp4_moe.py; do
+  for t in tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py tests/moe/test_cuda_fp4_moe.py \
+           tests/gemm/test_cuda_gemv.py; do
     echo "== $t" >> "$out/memcheck.log"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1

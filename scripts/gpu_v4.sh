@@ -13,7 +13,8 @@ status=0
 python3 -m pytest -q -rfEs tests/models/test_deepseek_v4_gpu.py tests/models/test_async_scheduling_gpu.py \
   tests/models/test_deepseek_v4_paged.py tests/serve/test_engine_v4.py tests/kernels/test_triton_v4.py \
   tests/moe/test_hash_routing.py tests/moe/test_swiglu.py tests/moe/test_routing.py tests/hyper/test_hyper.py \
-  tests/compressor/test_triton_decode_step.py tests/moe/test_cuda_fp4_moe.py \
+  tests/compressor/test_triton_decode_step.py tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py \
+  tests/serve/test_argmax.py \
   $(ls tests/models/test_deepseek_v4_moe*.py 2>/dev/null) 2>&1 | tee "$out/tests.log" || status=1
 if [ "${BENCH:-1}" = 1 ]; then
   python3 -m benchmarks.bench_e2e --async-scheduling both --points 1x4096,32x4096,128x2048 --prefill "" \

@@ -1,9 +1,8 @@
 """DeepSeek-V4 sparse attention in Triton: one kernel for prefill (bf16 rows) and decode (FP8
 MODEL1 pages), with per-query top-k lengths, a second index set (the sliding window) and sinks.
 
-A program takes one query row, a block of up to 64 heads and one split of the positions of the
-main top-k list followed by the extra list (so at batch 1 the window's keys spread over programs
-too, not all on the first split). Each step gathers ``BLOCK_N`` keys as one bf16 ``[BLOCK_N, 512]``
+A program takes one query row, a block of up to 64 heads and one split of the main top-k list;
+split 0 also walks the extra list. Each step gathers ``BLOCK_N`` keys as one bf16 ``[BLOCK_N, 512]``
 tile (K = V): bf16 rows as they are, or MODEL1 tokens dequantized exactly (e4m3 times a
 power-of-two UE8M0 scale is a bf16 value; the RoPE part is bf16 already), read as 8 tiles of 64
 where tile 7 is the RoPE part. Scores and ``P @ V`` are bf16 tensor-core dots with an online
@@ -23,10 +22,10 @@ import triton.language as tl
 from flashdsa.runtime.cache.layout_v4 import V4_DATA_BYTES, V4_NUM_TILES, V4_SCALE_BYTES, V4_TILE
 from flashdsa.runtime.dispatch import interpreting
 from flashdsa.runtime.kernels.triton._gather import LOG2E, mma, softmax_step
-from flashdsa.runtime.kernels.triton.sparse_decode import DecodeConfig, _combine_kernel
+from flashdsa.runtime.kernels.triton.sparse_decode import DecodeConfig, _combine_kernel, _num_splits
 
 PREFILL_CONFIG = DecodeConfig(block_n=32, num_stages=3)
-DECODE_CONFIG = DecodeConfig(block_n=32, num_stages=3, min_tokens_per_split=64)
+DECODE_CONFIG = DecodeConfig(block_n=32, num_stages=3)
 V4_BLOCK_H = 64
 
 
@@ -98,7 +97,7 @@ def _sparse_v4_kernel(
         length = tl.load(len_ptr + row // s_q)
         if length < end:  # (plain ifs, not tl.minimum: the interpreter cannot loop to a 1-element tensor)
             end = length
-    start = split * per_split  # the split's positions in the main list, then the extra list
+    start = split * per_split
     stop = start + per_split
     if stop > end:
         stop = end
@@ -115,13 +114,10 @@ def _sparse_v4_kernel(
             extra_length = tl.load(extra_len_ptr + row // s_q)
             if extra_length < extra_end:
                 extra_end = extra_length
-        extra_start = split * per_split - topk
-        if extra_start < 0:
-            extra_start = 0
-        if split * per_split + per_split - topk < extra_end:
-            extra_end = split * per_split + per_split - topk
+        if split > 0:
+            extra_end = 0
         extra_row = extra_idx_ptr + row * stride_extra_idx
-        m, l, acc = _attend_segment(q, m, l, acc, extra_kv_ptr, extra_kv_bf16_ptr, extra_row, extra_start, extra_end,
+        m, l, acc = _attend_segment(q, m, l, acc, extra_kv_ptr, extra_kv_bf16_ptr, extra_row, 0, extra_end,
                                     extra_rows, extra_block_size, stride_extra_kv, scale_log2, FP8, BLOCK_N, D, TILES,
                                     TILE, DATA_BYTES, SCALE_BYTES, INTERPRET)
 
@@ -149,12 +145,11 @@ def _launch(q_rows, s_q, kv, extra_kv, indices, extra_indices, topk_length, extr
     ``kv`` / ``extra_kv``: 2-D bf16 row tables (prefill) or 4-D MODEL1 pools (decode)."""
     rows, h_q, d = q_rows.shape
     topk = indices.shape[-1]
-    positions = topk + (extra_indices.shape[-1] if extra_kv is not None else 0)
     # 64 heads per program whatever h_q: with 32 (or 16) the kernel's layouts need 262 KB of shared
     # memory, past the 227 KB of SM90/SM100; fewer heads run as padding rows of one block.
     block_h, head_blocks = V4_BLOCK_H, triton.cdiv(h_q, V4_BLOCK_H)
-    per_split = triton.cdiv(triton.cdiv(positions, splits), config.block_n) * config.block_n
-    splits = triton.cdiv(positions, per_split)
+    per_split = triton.cdiv(triton.cdiv(topk, splits), config.block_n) * config.block_n
+    splits = triton.cdiv(topk, per_split)
     direct = splits == 1
     part_out, part_lse = (out, lse) if direct else (
         torch.empty(rows, splits, h_q, d, dtype=torch.float32, device=q_rows.device),
@@ -189,13 +184,6 @@ def _launch(q_rows, s_q, kv, extra_kv, indices, extra_indices, topk_length, extr
         )
 
 
-def _decode_splits(programs: int, positions: int, config: DecodeConfig) -> int:
-    """Splits of each row's positions (top-k list and window): as many as keep the programs within
-    ``config.target_programs`` (a part-filled extra wave costs more than longer splits), none
-    shorter than ``config.min_tokens_per_split``."""
-    return max(1, min(config.target_programs // programs, positions // config.min_tokens_per_split))
-
-
 def sparse_attention_v4_prefill(q, kv, indices, sm_scale, topk_length=None, attn_sink=None, extra_kv=None,
                                 extra_indices=None, extra_topk_length=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [s_q, h_q, 512] bf16, kv [s_kv, 1, 512] bf16, indices [s_q, 1, topk] int32 (+ optional extra
@@ -226,8 +214,7 @@ def sparse_attention_v4_decode(q, kv_cache, indices, sm_scale, topk_length=None,
         return out, lse
     rows = b * s_q
     topk = indices.shape[-1]
-    positions = topk + (extra_indices.shape[-1] if extra_kv_cache is not None else 0)
-    splits = num_splits or _decode_splits(rows * triton.cdiv(h_q, V4_BLOCK_H), positions, config)
+    splits = num_splits or _num_splits(rows, triton.cdiv(h_q, V4_BLOCK_H), topk, config)
     extra_idx = extra_indices.reshape(rows, -1) if extra_indices is not None else None
     _launch(q.reshape(rows, h_q, d), s_q, kv_cache, extra_kv_cache, indices.reshape(rows, topk), extra_idx,
             topk_length, extra_topk_length, attn_sink, sm_scale, out, lse, fp8=True, splits=splits, config=config)
