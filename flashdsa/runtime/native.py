@@ -49,6 +49,7 @@ ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *ARCH_FLAGS]
 NVCC_STD = "-std=c++17"  # the .cu files include no torch header
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+SHARED_INCLUDE = "cuda_include"  # runtime/<this>/: device helpers every extension's kernels may include
 
 
 class NativeBuildError(ImportError):
@@ -125,8 +126,9 @@ def cutlass_include() -> Optional[Path]:
 
 
 def _cuda_includes(home: Path) -> list[str]:
-    """The toolkit's headers (a wheel keeps CCCL's cub/thrust/cuda:: under include/cccl) and CuTe's."""
-    paths = [home / "include", home / "include" / "cccl", cutlass_include()]
+    """The toolkit's headers (a wheel keeps CCCL's cub/thrust/cuda:: under include/cccl), CuTe's and
+    the extensions' shared ones."""
+    paths = [home / "include", home / "include" / "cccl", cutlass_include(), RUNTIME / SHARED_INCLUDE]
     return [str(p) for p in paths if p is not None and p.is_dir()]
 
 
@@ -145,10 +147,17 @@ def cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "flashdsa" / "kernels"
 
 
+def shared_headers() -> list[Path]:
+    """The headers of ``runtime/cuda_include/``, which every extension's kernels may include."""
+    directory = RUNTIME / SHARED_INCLUDE
+    return sorted(directory.glob("*.cuh")) if directory.is_dir() else []
+
+
 def build_directory(ext: Extension, home: Path) -> Path:
-    """``<cache>/<name>-<hash>``: the hash covers the sources, flags, torch and the toolkit path."""
+    """``<cache>/<name>-<hash>``: the hash covers the sources and the shared headers, flags, torch
+    and the toolkit path."""
     digest = hashlib.sha256()
-    for path in ext.files():
+    for path in [*ext.files(), *shared_headers()]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join([*NVCC_FLAGS, *_link_flags(), torch.__version__, str(torch.version.cuda), str(home)]).encode())
     return cache_root() / f"{ext.name}-{digest.hexdigest()[:16]}"

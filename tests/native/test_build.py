@@ -45,13 +45,18 @@ def fake_op(tmp_path, monkeypatch):
     return source
 
 
-def test_build_directory_is_keyed_by_the_sources(fake_op, tmp_path):
+def test_build_directory_is_keyed_by_the_sources_and_the_shared_headers(fake_op, tmp_path):
     ext = native.Extension("myop")
     first = native.build_directory(ext, tmp_path)
     assert first.parent == tmp_path / "cache" and first.name.startswith("flashdsa_myop-")
     assert native.build_directory(ext, tmp_path) == first
     fake_op.write_text("__global__ void k() { }\n")
-    assert native.build_directory(ext, tmp_path) != first
+    second = native.build_directory(ext, tmp_path)
+    assert second != first
+    shared = tmp_path / "runtime" / native.SHARED_INCLUDE / "helpers.cuh"  # a header every extension may include
+    shared.parent.mkdir()
+    shared.write_text("#pragma once\n")
+    assert native.build_directory(ext, tmp_path) != second
 
 
 def test_a_killed_builds_lock_is_removed(tmp_path):

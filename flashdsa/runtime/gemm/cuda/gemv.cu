@@ -39,6 +39,7 @@
 #include <cstdint>
 
 #include "gemv.h"
+#include "stream_load.cuh"
 
 namespace flashdsa {
 namespace {
@@ -71,14 +72,6 @@ struct Params : Fp8GemvArgs {
   int cta_blocks;  // K blocks per CTA (the last CTAs of a cluster may have fewer)
   bool x_vectors;  // every 8 inputs of x start on a 16-byte boundary: 16-byte loads
 };
-
-__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // e4m3 bytes b0..b3 of q -> the f16 pairs (b0, b1) and (b2, b3), exactly.
 __device__ __forceinline__ void e4m3x4_to_f16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
@@ -250,10 +243,10 @@ __global__ void __launch_bounds__(THREADS, 2) fp8_gemv_kernel(const __grid_const
   float stage_scale[STAGES];
   auto fetch = [&](int s, int b) {
     const int offset = b * GROUP;
-    stage[s][0] = load_weights(w_g + offset);
-    stage[s][1] = load_weights(w_g8 + offset);
-    stage[s][2] = load_weights(w_g + offset + GROUP / 2);
-    stage[s][3] = load_weights(w_g8 + offset + GROUP / 2);
+    stage[s][0] = load_stream(w_g + offset);
+    stage[s][1] = load_stream(w_g8 + offset);
+    stage[s][2] = load_stream(w_g + offset + GROUP / 2);
+    stage[s][3] = load_stream(w_g8 + offset + GROUP / 2);
     stage_scale[s] = __ldg(w_scale + b);
   };
 #pragma unroll

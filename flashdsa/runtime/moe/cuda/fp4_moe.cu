@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "fp4_moe.h"
+#include "stream_load.cuh"
 
 namespace flashdsa {
 namespace {
@@ -54,14 +55,6 @@ static_assert(TILE_COLS == kFp4MoeDownColumns && TILE_COLS / 2 == kFp4MoeGateUpC
 struct Args : Fp4MoeArgs {
   int tiles;  // column tiles of a block: the grid is blocks x tiles
 };
-
-__device__ __forceinline__ uint4 load_stream(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
 
 // Thread t of a quad holds words M[t][0..3] (group t's bytes 4i..4i+3); afterwards it holds
 // M[0..3][t] (every group's bytes 4t..4t+3).
