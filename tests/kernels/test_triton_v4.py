@@ -2,7 +2,8 @@
 against the reference backend.
 
 Cases walk h_q 64 / 128 (and odd counts), top-k lengths per query, the sliding-window extra set,
-sinks (finite, -inf, +inf), forced split-KV counts for decode, s_q 1..4 and a large prefill, plus
+sinks (finite, -inf, +inf), forced split-KV counts for decode (and bit-equal results for lists
+padded to a wider width), s_q 1..4 and a large prefill, plus
 the corner cases: all indices invalid, out-of-range and duplicate ids, top-k longer than the
 table, a window shorter than 128, an empty kv table. Outputs the kernel allocates start as NaN
 (the CUDA allocator flooded; ``torch.empty`` poisoned under the interpreter). The reference gets
@@ -120,8 +121,9 @@ def test_decode_matches_reference(b, s_q, h_q, topk, num_blocks):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8, 20])
 def test_decode_split_kv_counts_agree(num_splits):
+    """Splits cut the window then the top-k list (640 positions: 20 splits of 32, the first 4 all window)."""
     check_decode(2, 2, 128, 512, 40, cuda, num_splits=num_splits, duplicates=True)
 
 
@@ -178,6 +180,35 @@ def test_prefill_matches_flashmla_sparse_fwd_with_sinks_and_lengths(flash_mla):
     assert_lse_close(lse[finite], their_lse[finite], "lse vs FlashMLA")
 
 
+def check_padding_changes_no_bit(device) -> None:
+    """A top-k list padded with invalid ids to a wider width (a CUDA graph's width) gives the same
+    bits as the unpadded one: the splits fall at the same positions, empty trailing splits add exact
+    zeros, and one split written directly rounds as the combine of one split does."""
+    g = _generator(77)
+    pool, window_pool = random_v4_pool(8, 64, g, device), random_v4_pool(4, 64, g, device)
+    q = (torch.randn(2, 1, 64, 512, generator=g) * 0.1).bfloat16().to(device)
+    slots = random_indices((2, 1, 100), 8 * 64, invalid=0.1, generator=g).to(device)
+    window = random_indices((2, 1, 64), 4 * 64, generator=g).to(device)
+    lengths = torch.tensor([100, 37], dtype=torch.int32, device=device)
+    sinks = torch.randn(64, generator=g).to(device)
+    padded = torch.cat([slots, torch.full((2, 1, 412), -1, dtype=slots.dtype, device=device)], -1)
+    kwargs = dict(topk_length=lengths, attn_sink=sinks, extra_kv_cache=window_pool, extra_indices=window)
+    narrow = sparse_v4.sparse_attention_v4_decode(q, pool, slots, SCALE, **kwargs)
+    wide = sparse_v4.sparse_attention_v4_decode(q, pool, padded, SCALE, **kwargs)
+    for ours, theirs in zip(wide, narrow):
+        assert torch.equal(ours, theirs)
+    one = sparse_v4.sparse_attention_v4_decode(q, pool, slots[..., :64], SCALE, attn_sink=sinks, num_splits=1)
+    two = sparse_v4.sparse_attention_v4_decode(q, pool, padded[..., :128].clone().fill_(-1).index_copy_(
+        -1, torch.arange(64, device=device), slots[..., :64]), SCALE, attn_sink=sinks, num_splits=2)
+    for ours, theirs in zip(two, one):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+def test_padding_the_lists_changes_no_bit():
+    check_padding_changes_no_bit(cuda)
+
+
 def check_all_invalid(device) -> None:
     out, lse = check_decode(2, 2, 64, 128, 4, device, num_splits=2, invalid=1.0, window_invalid=1.0, lengths=False)
     assert (out == 0).all() and (lse == float("inf")).all()
@@ -197,6 +228,10 @@ def run_interpreter_cases() -> None:
         check_prefill(1, 16, 50, 64, 20, cpu, invalid=1.0, lengths=False)  # every main index invalid
         check_decode(2, 2, 16, 128, 3, cpu, num_splits=2, window=64, invalid=0.1, out_of_range=0.1)
         check_decode(1, 1, 20, 64, 2, cpu, window=16, invalid=1.0, lengths=False)
+        for splits in (2, 6):  # splits of the window alone, a split across the window's end into the top-k list
+            check_decode(1, 1, 16, 100, 3, cpu, num_splits=splits, window=64, invalid=0.1)
+        check_decode(3, 1, 16, 100, 3, cpu, window=64, invalid=0.1)  # the default partition
+        check_padding_changes_no_bit(cpu)
         check_all_invalid(cpu)
     print("interpreter cases passed")
 

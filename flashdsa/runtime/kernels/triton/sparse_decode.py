@@ -224,26 +224,28 @@ def _combine_kernel(
     SPLITS: tl.constexpr, D_V: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Merge the splits of one (row, head): out = sum_s w_s o_s, w_s = exp(lse_s - lse); with
-    HAS_SINK (DeepSeek-V4) out is then scaled by exp(lse) / (exp(lse) + exp(sink[head]))."""
+    HAS_SINK (DeepSeek-V4) out is then scaled by exp(lse) / (exp(lse) + exp(sink[head])). The sums
+    run split by split, so trailing empty splits (a list padded to a CUDA graph's width) add exact
+    zeros and change no bit."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
     dv = tl.arange(0, D_V)
-    part = row.to(tl.int64) * num_splits + sp
-    lse_s = tl.load(part_lse_ptr + part * h_q + head, mask=sp < num_splits, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    first = row.to(tl.int64) * num_splits
+    m = tl.max(tl.load(part_lse_ptr + (first + sp) * h_q + head, mask=sp < num_splits, other=float("-inf")), 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    total = tl.sum(w, 0)
-    o_s = tl.load(part_out_ptr + (part[:, None] * h_q + head) * D_V + dv[None, :],
-                  mask=(sp < num_splits)[:, None], other=0.0)
-    o_s = tl.where((w > 0.0)[:, None], o_s, 0.0)  # an empty split may hold 0 * inf
+    total = 0.0
+    acc = tl.zeros([D_V], tl.float32)
+    for split in range(num_splits):
+        w = tl.exp(tl.load(part_lse_ptr + (first + split) * h_q + head) - m_safe)
+        o_s = tl.load(part_out_ptr + ((first + split) * h_q + head) * D_V + dv)
+        acc += tl.where(w > 0.0, o_s, 0.0) * w  # an empty split may hold 0 * inf
+        total += w
     inv = tl.where(total == 0.0, 0.0, 1.0 / total)
     lse = tl.where(total == 0.0, float("inf"), m_safe + tl.log(total))
     if HAS_SINK:
         inv = inv / (1.0 + tl.exp(tl.where(total == 0.0, 0.0, tl.load(sink_ptr + head) - lse)))
-    out = tl.sum(o_s * w[:, None], 0) * inv
-    tl.store(out_ptr + (row.to(tl.int64) * h_q + head) * D_V + dv, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (row.to(tl.int64) * h_q + head) * D_V + dv, (acc * inv).to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + (row // s_q) * h_q * s_q + head * s_q + row % s_q, lse)
 
 
