@@ -245,8 +245,10 @@ __device__ void stream_rows(const Args& args, const int* pairs, int block, int r
   }
 }
 
+// down: 3 CTAs an SM, not 4: at 128 registers nvcc 13.0's ptxas spills it (13.5's does not), and
+// a decode grid (6 blocks x 64 tiles) fits in 3 a SM anyway.
 template <bool GATED, int AGROUP>
-__global__ void __launch_bounds__(THREADS, 4) fp4_moe_kernel(const Args args) {
+__global__ void __launch_bounds__(THREADS, GATED ? 4 : 3) fp4_moe_kernel(const Args args) {
   extern __shared__ __align__(128) uint8_t act[];  // a piece of the block's activations, PIECE inputs
   __shared__ float tile[BLOCK_M][TILE_COLS + 1];
   const int block = blockIdx.x / args.tiles, tile_n = blockIdx.x % args.tiles;
