@@ -129,8 +129,12 @@ def _padded(count: int) -> int:
 def _mixes(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-split partial raw mixes ``[splits, T, W]`` and sums of squares ``[splits, T]`` fp32."""
     tokens, width, k_total = h.shape[0], fn.shape[0], fn.shape[1]
-    bt, bk = (max(2, triton.next_power_of_2(tokens)), 128) if tokens <= SMALL_TOKENS else (
-        (16, 128) if tokens <= 16 else (64, 64))
+    if tokens <= SMALL_TOKENS:  # products summed over the block (DOT off below)
+        bt, bk = max(2, triton.next_power_of_2(tokens)), 128
+    elif tokens <= 16:
+        bt, bk = 16, 128
+    else:
+        bt, bk = 64, 64
     token_blocks, k_blocks = triton.cdiv(tokens, bt), triton.cdiv(k_total, bk)
     splits = max(1, min(k_blocks, MAX_SPLITS, TARGET_PROGRAMS // token_blocks))
     per_split = triton.cdiv(k_blocks, splits)
@@ -138,7 +142,7 @@ def _mixes(h: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     part = torch.empty(splits, tokens, width, dtype=torch.float32, device=h.device)
     sq = torch.empty(splits, tokens, dtype=torch.float32, device=h.device)
     _mix_kernel[(token_blocks, splits)](h, fn, part, sq, tokens, k_total, per_split, WIDTH=width,
-                                        WP=max(16, triton.next_power_of_2(width)), BT=bt, BK=bk, DOT=bt >= 16,
+                                        WP=max(16, triton.next_power_of_2(width)), BT=bt, BK=bk, DOT=tokens > SMALL_TOKENS,
                                         num_warps=4)
     return part, sq, splits
 
