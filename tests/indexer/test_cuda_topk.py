@@ -1,6 +1,7 @@
 """Native (CUDA C++) indexer top-k against the reference on the same logits: exactly the same
 positions in the same order (score descending, ties to the lower column, -1 padded); unsorted,
-the same set by ascending column. Fresh random inputs each run (the seed is printed on failure),
+the same set by ascending column (radix kernel) or in the sorted order (rank kernel: rows of at
+most RANK_MAX_WIDTH columns while rows x width^2 <= RANK_MAX_WORK). Fresh random inputs each run (the seed is printed on failure),
 outputs poisoned before the kernel writes them. GPU tests (Hopper) are marked ``gpu``;
 ``python tests/indexer/test_cuda_topk.py --memcheck`` runs small cases for compute-sanitizer.
 """
@@ -37,6 +38,13 @@ def random_ranges(rows: int, length: int, g: torch.Generator) -> tuple[torch.Ten
     return starts.to(cuda), ends.to(cuda)
 
 
+RANK_MAX_WIDTH, RANK_MAX_WORK = 4096, 1 << 27  # topk.cu's rank kernel serves these batches
+
+
+def rank_kernel_serves(rows: int, width: int) -> bool:
+    return width <= RANK_MAX_WIDTH and rows * width * width <= RANK_MAX_WORK
+
+
 def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
     """cuda vs reference, sorted and unsorted, every output element poisoned before the kernel runs."""
     ref = indexer_topk(logits, topk, starts, ends, backend="reference")
@@ -45,6 +53,9 @@ def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
         loose = indexer_topk(logits, topk, starts, ends, sorted=False, backend="cuda")
     assert got.dtype == torch.int32 and got.shape == ref.shape
     assert torch.equal(got, ref), f"seed {SEED}: {int((got != ref).sum())} positions differ"
+    if rank_kernel_serves(*logits.shape):
+        assert torch.equal(loose, ref), f"seed {SEED}: the rank kernel's unsorted top-k is not its sorted one"
+        return
     want = torch.where(ref >= 0, ref, INT32_MAX).sort(1).values
     assert torch.equal(loose, torch.where(want == INT32_MAX, -1, want)), f"seed {SEED}: unsorted top-k differs"
 
@@ -62,6 +73,21 @@ def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, top
     logits = tricky_logits(rows, length, cuda, g)
     check(logits, topk)
     check(logits, topk, *random_ranges(rows, length, g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, length, topk", [
+    (1, 1024, 512), (32, 1024, 512), (1, 4096, 2048), (8, 4096, 64), (3, 777, 2048), (128, 1024, 512),
+    (2, 4095, 1), (1, 1, 1), (5, 30, 2048), (65535, 1, 1)])
+def test_short_rows_rank_kernel_matches_reference(rows, length, topk):
+    """Decode-sized rows (rank kernel), with ties (the tricky logits' repeats, relu zeros), topk
+    above the length, ranges that cut rows short or empty them."""
+    assert rank_kernel_serves(rows, length)
+    g = generator(rows, length, topk, 5)
+    logits = tricky_logits(rows, length, cuda, g)
+    check(logits, topk)
+    check(logits, topk, *random_ranges(rows, length, g))
+    check(torch.relu(logits), topk)  # a crowd of zeros level with each other: ties to the lower column
 
 
 @pytest.mark.gpu

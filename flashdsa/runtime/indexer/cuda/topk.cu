@@ -27,7 +27,16 @@
 // an ordered pass instead of 3-4: a block scan per tile keeps column order, so the first columns
 // of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
 // aligned column).
+//
+// Short rows (decode-sized: DeepSeek-V4's CSA indexer sees 1024 entries at a 4K context) spend
+// most of that pipeline on block barriers, so rows of at most RANK_MAX_WIDTH columns, while the
+// batch's rows x width^2 comparisons stay under RANK_MAX_WORK, take rank_kernel instead: every
+// usable score's rank (how many usable scores beat it: higher, or level with a lower column) is
+// counted against the whole row held in shared memory, by RANK_SPLIT lanes a column and many CTAs
+// a row, and the column is written at out[rank] when the rank is below topk. That is the sorted
+// order, which it returns for unsorted calls too.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -556,6 +565,65 @@ cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t wi
   return cudaGetLastError();
 }
 
+constexpr int RANK_MAX_WIDTH = 4096;          // a row's order keys fit in 16 KB of shared memory
+constexpr int64_t RANK_MAX_WORK = int64_t{1} << 27;  // rows x width^2 comparisons: about 10 us on an H100
+constexpr int RANK_THREADS = 128;
+constexpr int RANK_SPLIT = 4;                 // lanes counting one column's rank, each over a quarter of the row
+constexpr int RANK_COLUMNS = RANK_THREADS / RANK_SPLIT;  // columns ranked by a CTA
+
+// Grid (ceil(width / RANK_COLUMNS), rows): CTA x ranks columns [x * RANK_COLUMNS, ...) of row y.
+// Lane s of a column's RANK_SPLIT reads the row's keys in 4-key groups s, s + RANK_SPLIT, ...
+// (neighbouring lanes read neighbouring 16 bytes: no bank conflict), so the row is padded with
+// key 0 (never usable, never above a usable key) to a multiple of 4 * RANK_SPLIT.
+__global__ void __launch_bounds__(RANK_THREADS)
+rank_kernel(const float* __restrict__ logits, int64_t stride, int width, const int* __restrict__ starts,
+            const int* __restrict__ ends, int topk, int* __restrict__ out, int64_t out_stride) {
+  __shared__ __align__(16) uint32_t keys[RANK_MAX_WIDTH];
+  __shared__ int usable;  // the row's usable scores (in range and finite)
+  const int64_t row = blockIdx.y;
+  const float* row_ptr = logits + row * stride;
+  const int end = ends != nullptr ? __ldg(ends + row) : width, start = starts != nullptr ? __ldg(starts + row) : 0;
+  const int hi = min(max(end, 0), width), lo = min(max(start, 0), hi);
+  constexpr int PAD = 4 * RANK_SPLIT;
+  const int padded = (width + PAD - 1) / PAD * PAD;
+  if (threadIdx.x == 0) usable = 0;
+  __syncthreads();
+  int mine = 0;
+#pragma unroll 8
+  for (int j = threadIdx.x; j < padded; j += RANK_THREADS) {
+    const float v = j >= lo && j < hi ? row_ptr[j] : 0.0f;
+    const uint32_t k = j >= lo && j < hi && is_finite(v) ? order_key(v) : 0u;
+    keys[j] = k;
+    mine += k != 0;
+  }
+  if (mine) atomicAdd(&usable, mine);
+  __syncthreads();
+
+  const int lane = threadIdx.x % RANK_SPLIT, column = blockIdx.x * RANK_COLUMNS + threadIdx.x / RANK_SPLIT;
+  const uint32_t key = column < width ? keys[column] : 0u;
+  // j beats column: keys[j] > key, or keys[j] == key with j < column, i.e. keys[j] > key - (j < column)
+  int beaten_by = 0;
+  if (key != 0) {
+    const uint4* groups = reinterpret_cast<const uint4*>(keys);
+    for (int g = lane; g < padded / 4; g += RANK_SPLIT) {
+      const uint4 q = groups[g];
+      const int j = 4 * g;
+      beaten_by += (q.x > key - (j < column)) + (q.y > key - (j + 1 < column)) + (q.z > key - (j + 2 < column)) +
+                   (q.w > key - (j + 3 < column));
+    }
+  }
+#pragma unroll
+  for (int d = 1; d < RANK_SPLIT; d <<= 1) beaten_by += __shfl_xor_sync(0xffffffffu, beaten_by, d);
+  out += row * out_stride;
+  if (key != 0 && lane == 0 && beaten_by < topk) out[beaten_by] = column;
+  // slots past the usable scores: -1, spread over the row's CTAs
+  for (int r = usable + blockIdx.x * RANK_THREADS + threadIdx.x; r < topk; r += gridDim.x * RANK_THREADS) out[r] = -1;
+}
+
+bool rank_serves(int64_t rows, int64_t width) {
+  return width <= RANK_MAX_WIDTH && rows <= 65535 && rows * width * width <= RANK_MAX_WORK;  // rows: grid y
+}
+
 }  // namespace
 
 int indexer_topk_max_topk() { return MAX_TOPK; }
@@ -577,9 +645,17 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     const auto s = static_cast<cudaStream_t>(stream);
-    err = rows < 2 * sms
-              ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s)
-              : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s);
+    if (rank_serves(rows, width)) {
+      const dim3 grid(static_cast<unsigned>(std::max<int64_t>((width + RANK_COLUMNS - 1) / RANK_COLUMNS, 1)),
+                      static_cast<unsigned>(rows));
+      rank_kernel<<<grid, RANK_THREADS, 0, s>>>(logits, stride, static_cast<int>(width), starts, ends,
+                                                static_cast<int>(topk), out, out_stride);
+      err = cudaGetLastError();
+    } else {
+      err = rows < 2 * sms
+                ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s)
+                : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s);
+    }
   }
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
