@@ -168,8 +168,12 @@ class DeepseekV4Attention(nn.Module):
         """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
         kv ``[T, D]``), q and kv RoPE'd."""
         q_residual = self.q_a_norm(self.q_a_proj(x))
+        return (q_residual, *self.query_and_kv(x, q_residual, rope_at))
+
+    def query_and_kv(self, x: torch.Tensor, q_residual: torch.Tensor, rope_at: RopeAt):
+        """:meth:`project`'s (q, kv) from its ``q_residual`` (the engine runs the indexer beside them)."""
         q = normalize_heads(self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim), self.eps)
-        return q_residual, rope_at.rotate_tail(q), rope_at.rotate_tail(self.kv_norm(self.kv_proj(x)))
+        return rope_at.rotate_tail(q), rope_at.rotate_tail(self.kv_norm(self.kv_proj(x)))
 
     def output(self, out: torch.Tensor, rope_at: RopeAt) -> torch.Tensor:
         """Attention output ``[T, H, D]`` -> ``[T, hidden]``: RoPE dims rotated back, grouped projection."""

@@ -21,10 +21,12 @@ from torch import nn
 
 from flashdsa.models.deepseek_v4_config import DeepseekV4Config
 from flashdsa.models.linear import SCALE_SUFFIX
+from flashdsa.runtime.dense import dense_linear
 from flashdsa.runtime.fp4 import FP4_GROUP
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP
 from flashdsa.runtime.moe import fused_moe, hash_experts, select_experts, swiglu
+from flashdsa.runtime.streams import branch
 
 
 def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -59,7 +61,7 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.empty(c.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight.to(x.dtype))  # x's dtype: the routing widens it as it reads (no cast kernel)
+        logits = dense_linear(x, self.weight.to(x.dtype))  # x's dtype: the routing widens it as it reads (no cast kernel)
         # one kernel on a GPU without autograd (hash: ~12 torch kernels, else ~10); torch's ops under it
         backend = "reference" if torch.is_grad_enabled() else None
         if self.hashed:
@@ -146,6 +148,9 @@ class DeepseekV4MoE(nn.Module):
     def parts(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' and the shared expert's outputs ``[T, H]`` each, unsummed: the decoder
         layer's mHC adds them in its own kernel (``HyperConnection.expand``'s ``extra``)."""
+        side = branch(x)  # in a captured decode step the shared expert runs beside the routed ones
+        with side.run():
+            shared = self.shared_experts(x)
         weights, experts = self.gate(x, input_ids)
         fused = x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
         if fused or self.experts.quantized:
@@ -154,4 +159,5 @@ class DeepseekV4MoE(nn.Module):
                                quantize_activations=fused, swiglu_limit=e.limit, backend=None if fused else "reference")
         else:
             routed = self.experts(x, weights, experts)
-        return routed, self.shared_experts(x)
+        side.join()
+        return routed, shared

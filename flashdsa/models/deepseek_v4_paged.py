@@ -40,6 +40,7 @@ from flashdsa.runtime.cache.pool import v4_pool
 from flashdsa.runtime.compressor import compress_decode_step, compress_sequence
 from flashdsa.runtime.kernels.v4 import sparse_attention_v4_decode
 from flashdsa.runtime.metadata import BatchMetadata
+from flashdsa.runtime.streams import branch
 
 
 @dataclass
@@ -211,15 +212,19 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     the step's rows, entries and states into ``cache``."""
     positions = plan.meta.positions
     rope_at = ropes["compress" if attn.ratio else "main"](positions, fused=plan.production)
-    q_residual, q, kv = attn.project(x, rope_at)
-    window = plan.window_pool(cache.window, kv)
+    q_residual = attn.q_a_norm(attn.q_a_proj(x))  # first, on the main stream: the fused input GEMM runs here
+    side = branch(x)  # a captured step compresses and selects beside the query and window path
     picked = lengths = None
     if attn.ratio:
-        compress(attn.compressor, x, plan, cache.entries, cache.state, ropes["compress"])
-        if attn.layer_type == CSA:
-            indexer = attn.compressor.indexer
-            compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
-            picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
+        with side.run():
+            compress(attn.compressor, x, plan, cache.entries, cache.state, ropes["compress"])
+            if attn.layer_type == CSA:
+                indexer = attn.compressor.indexer
+                compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
+                picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
+    q, kv = attn.query_and_kv(x, q_residual, rope_at)
+    window = plan.window_pool(cache.window, kv)
+    side.join()
     main = None
     if picked is not None:  # CSA: the indexer's choice
         main = (cache.entries, plan.entries(attn.ratio).slots_of(picked))

@@ -42,6 +42,7 @@ from flashdsa.runtime.fp8 import AMAX_FLOOR, E4M3_MAX
 from flashdsa.runtime.gemm.reference import GROUP
 from flashdsa.runtime.gemm.triton.configs import DECODE_MAX_M, GemmConfig, choose_config
 from flashdsa.runtime.gemm.triton.quantize import quantize_groups
+from flashdsa.runtime.streams import on_side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +242,9 @@ _counters: dict[torch.device, torch.Tensor] = {}  # device -> fp8_linear's split
 def _counters_for(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     """The device's int32 ticket counters (MAX_TICKET_TILES of them, zeroed once when first
     needed; every launch leaves them at 0), or None where they cannot serve: more tiles than
-    counters, or none made yet while a CUDA graph is being captured (a buffer made during capture
-    would be zeroed only at replay). Then the launch sums its splits in a second kernel."""
-    if tiles > MAX_TICKET_TILES:
+    counters, on a side stream (``runtime.streams``), or none made yet while a CUDA graph is being
+    captured (a buffer made during capture would be zeroed only at replay). Then the launch sums its splits in a second kernel."""
+    if tiles > MAX_TICKET_TILES or on_side_stream(device):  # a side branch may run beside the counters' owner
         return None
     if device not in _counters:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
