@@ -311,6 +311,18 @@ def test_routing_kernel_compiles_for_hopper_and_blackwell(launches):
     assert compile_all(launches, specialize=True) == ["_hash_route_kernel", "_route_kernel"]
 
 
+def test_dense_gemv_kernel_compiles_for_hopper_and_blackwell(launches):
+    """The decode GEMV at V4-Flash's router (256 x 4096) and fused compressor inputs, a strided x,
+    widths off every block, in bf16 and fp16."""
+    from flashdsa.runtime.dense.triton import gemv
+
+    for dtype in (torch.bfloat16, torch.float16):
+        gemv.dense_linear(torch.randn(1, 4096).to(dtype), torch.randn(256, 4096).to(dtype))
+        gemv.dense_linear(torch.randn(4, 4104).to(dtype)[:, 3:4099], torch.randn(1344, 4096).to(dtype))
+        gemv.dense_linear(torch.randn(2, 100).to(dtype), torch.randn(5000, 100).to(dtype))
+    assert compile_all(launches, specialize=True) == ["_gemv_kernel"]
+
+
 def test_swiglu_kernel_compiles_for_hopper_and_blackwell(launches):
     """DeepSeek-V4-Flash's shared expert (the halves of a fused [T, 4096] gate|up, clipped at 10),
     plain SwiGLU, fp16 and fp32."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashdsa.runtime.dense import dense_linear
 from flashdsa.runtime.fp8 import E4M3
 from flashdsa.runtime.gemm import GROUP, dequantize_weight, fp8_linear
 
@@ -125,7 +126,7 @@ class FusedLinear(nn.Module):
         if self.fp8:
             y = block_scaled_linear(x, self.weight, self.weight_scale_inv, self.quantize_activations, self.pow2_scales)
         else:
-            y = F.linear(x, self.weight)
+            y = dense_linear(x, self.weight)
         return y.split(self.sizes, -1)
 
     def serve_parts(self, parts: Sequence[nn.Module]) -> None:
