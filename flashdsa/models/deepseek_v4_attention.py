@@ -164,6 +164,15 @@ class DeepseekV4Attention(nn.Module):
                 parts += [indexer.kv_proj, indexer.gate_proj, indexer.scorer.weights_proj]
         fuse_shared_input(self, parts)
 
+    def run_input_projections(self, x: torch.Tensor) -> None:
+        """Run the fused input GEMMs for ``x`` now (after :meth:`fuse_input_projections`; else
+        nothing): each part then answers from their outputs, so work forked onto other streams
+        after this call reads finished results (``runtime.streams``)."""
+        for name in ("fused_fp8linear", "fused_linear"):
+            fused = getattr(self, name, None)
+            if fused is not None:
+                fused.outputs(x)
+
     def project(self, x: torch.Tensor, rope_at: RopeAt):
         """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,
         kv ``[T, D]``), q and kv RoPE'd."""

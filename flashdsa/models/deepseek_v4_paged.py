@@ -33,7 +33,6 @@ from flashdsa.models.deepseek_v4_caches import V4LayerCache, entry_slot_table, l
 from flashdsa.models.deepseek_v4_compressor import Compressor, Indexer, select_topk, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA
 from flashdsa.models.indexer import KeyRanges, TopK, fp8_select
-from flashdsa.models.rope import RopeAt
 from flashdsa.runtime.cache import write_v4_cache
 from flashdsa.runtime.cache.layout_v4 import gather_v4
 from flashdsa.runtime.cache.pool import v4_pool
@@ -97,6 +96,15 @@ class StepPlan:
         if ratio not in self._entries:
             self._entries[ratio] = EntryPlan(self, ratio)
         return self._entries[ratio]
+
+    def prepare_entries(self, ratio: int, indexed: bool) -> None:
+        """Make now what the compressors (and with ``indexed``, the indexer) read of the plan at
+        ``ratio``, each part otherwise made on first use: branches forked after this call
+        (``runtime.streams``) then read finished tensors instead of each making them."""
+        shared = self.entries(ratio)
+        for part in ("starts", "slots", "keys") if indexed else ("starts", "slots"):
+            getattr(shared, part)
+        getattr(self, "fresh")
 
     @cached_property
     def fresh(self) -> torch.Tensor:
@@ -212,19 +220,29 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     the step's rows, entries and states into ``cache``."""
     positions = plan.meta.positions
     rope_at = ropes["compress" if attn.ratio else "main"](positions, fused=plan.production)
-    q_residual = attn.q_a_norm(attn.q_a_proj(x))  # first, on the main stream: the fused input GEMM runs here
-    side = branch(x)  # a captured step compresses and selects beside the query and window path
+    attn.run_input_projections(x)  # before any fork: every branch takes its slices of these GEMMs
+    if attn.ratio:
+        plan.prepare_entries(attn.ratio, indexed=attn.layer_type == CSA)
+    q_residual = attn.q_a_norm(attn.q_a_proj(x))
+    # a captured step runs three chains beside the query and window path: the compressor's, the
+    # indexer's keys, and the indexer's queries, which join the keys before scoring them
+    entries, keys, choice = branch(x, 0), branch(x, 1), branch(x, 2)
     picked = lengths = None
     if attn.ratio:
-        with side.run():
+        with entries.run():
             compress(attn.compressor, x, plan, cache.entries, cache.state, ropes["compress"])
-            if attn.layer_type == CSA:
-                indexer = attn.compressor.indexer
-                compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
-                picked = select_entries(indexer, x, q_residual, plan, cache.index, rope_at)
+    if attn.layer_type == CSA:
+        indexer = attn.compressor.indexer
+        with keys.run():
+            compress(indexer, x, plan, cache.index, cache.index_state, ropes["compress"])
+        with choice.run():
+            index_q, weights = indexer.queries(x, q_residual, rope_at)
+            keys.join()  # this step's closed window is in the pool
+            picked = select_entries(indexer, index_q, weights, plan, cache.index)
     q, kv = attn.query_and_kv(x, q_residual, rope_at)
     window = plan.window_pool(cache.window, kv)
-    side.join()
+    for side in (entries, keys, choice):
+        side.join()
     main = None
     if picked is not None:  # CSA: the indexer's choice
         main = (cache.entries, plan.entries(attn.ratio).slots_of(picked))
@@ -280,17 +298,16 @@ def compress(module: Compressor, x: torch.Tensor, plan: StepPlan, pool: torch.Te
     (store_index_key if isinstance(module, Indexer) else store_v4_rows)(pool, entries, shared.slots)
 
 
-def select_entries(indexer: Indexer, x: torch.Tensor, q_residual: torch.Tensor, plan: StepPlan, pool: torch.Tensor,
-                   rope_at: RopeAt) -> torch.Tensor:
-    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded; ``rope_at``: the
-    queries' RoPE (the layer's own: CSA rotates with the compressed RoPE)."""
+def select_entries(indexer: Indexer, q: torch.Tensor, weights: torch.Tensor, plan: StepPlan,
+                   pool: torch.Tensor) -> torch.Tensor:
+    """CSA top-k: ``[T, index_topk]`` entry ids by the lightning indexer, -1 padded, for its queries
+    ``q, weights = indexer.queries(...)`` (RoPE'd with the layer's own, compressed, RoPE)."""
     meta, ratio, k = plan.meta, indexer.ratio, indexer.topk
-    q, weights = indexer.queries(x, q_residual, rope_at)
     visible = plan.entries(ratio).visible
     if pool.dtype == torch.uint8:
         keys = plan.entries(ratio).keys
         return indexer.choice(fp8_select(q, weights * indexer.head_dim**-0.5, pool, keys, TopK(k)).long())
-    out = torch.full((x.shape[0], k), -1, dtype=torch.int64, device=x.device)
+    out = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=q.device)
     for b, (first, end, length) in enumerate(meta.sequence_ranges()):
         keys = gather_rows(pool, meta.block_tables[b], length // ratio)
         picked = select_topk(indexer.score(q[first:end], keys, weights[first:end]), visible[first:end], k)

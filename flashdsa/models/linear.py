@@ -111,6 +111,7 @@ class FusedLinear(nn.Module):
             raise ValueError(f"cannot fuse these linear layers: {reason}")
         first = parts[0]
         self.sizes = [p.out_features for p in parts]
+        self._latest: Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = None  # (input, outputs)
         self.fp8 = isinstance(first, FP8Linear)
         self.register_buffer("weight", torch.cat([p.weight.detach() for p in parts]), persistent=False)
         for part, rows in zip(parts, self.weight.split(self.sizes)):
@@ -129,12 +130,18 @@ class FusedLinear(nn.Module):
             y = dense_linear(x, self.weight)
         return y.split(self.sizes, -1)
 
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs for ``x``: the fused GEMM runs once per input (the latest is kept)."""
+        latest = self._latest
+        if latest is None or latest[0] is not x:
+            latest = self._latest = (x, self(x))
+        return latest[1]
+
     def serve_parts(self, parts: Sequence[nn.Module]) -> None:
         """Make each of ``parts`` (this fusion's, in order) answer from the fused GEMM wherever it is
         called: the first part called with an input runs the GEMM for all of them, the others take
         their slice while that input is the latest (inference only: autograd would see the parts'
         own weights unused)."""
-        self._latest: Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = None
         for index, part in enumerate(parts):
             part.forward = partial(_fused_part, self, index)
 
@@ -144,10 +151,7 @@ class FusedLinear(nn.Module):
 
 def _fused_part(fused: FusedLinear, index: int, x: torch.Tensor) -> torch.Tensor:
     """Part ``index``'s output for ``x``: a slice of the fused GEMM, run once per input."""
-    latest = fused._latest
-    if latest is None or latest[0] is not x:
-        latest = fused._latest = (x, fused(x))
-    return latest[1][index]
+    return fused.outputs(x)[index]
 
 
 def fuse_shared_input(owner: nn.Module, parts: Sequence[nn.Module]) -> None:
