@@ -568,7 +568,7 @@ cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t wi
 constexpr int RANK_MAX_WIDTH = 4096;          // a row's order keys fit in 16 KB of shared memory
 constexpr int64_t RANK_MAX_WORK = int64_t{1} << 27;  // rows x width^2 comparisons: about 10 us on an H100
 constexpr int RANK_THREADS = 128;
-constexpr int RANK_SPLIT = 4;                 // lanes counting one column's rank, each over a quarter of the row
+constexpr int RANK_SPLIT = 16;                // lanes counting one column's rank, each over a 16th of the row
 constexpr int RANK_COLUMNS = RANK_THREADS / RANK_SPLIT;  // columns ranked by a CTA
 
 // Grid (ceil(width / RANK_COLUMNS), rows): CTA x ranks columns [x * RANK_COLUMNS, ...) of row y.
