@@ -91,7 +91,7 @@ def test_short_rows_rank_kernel_matches_reference(rows, length, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offset, width", [(1, 20000), (0, 20003), (3, 20005), (2, 6)])
+@pytest.mark.parametrize("offset, width", [(1, 20000), (0, 20003), (3, 20005), (2, 6), (1, 1024), (0, 1024)])
 def test_rows_off_16_byte_boundaries_match(offset, width):
     """Contiguous rows whose addresses are not 16-byte aligned: a storage offset, odd row lengths."""
     g = generator(offset, width)

@@ -588,13 +588,23 @@ rank_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   const int padded = (width + PAD - 1) / PAD * PAD;
   if (threadIdx.x == 0) usable = 0;
   __syncthreads();
+  auto key_of = [&](int j, float v) { return j >= lo && j < hi && is_finite(v) ? order_key(v) : 0u; };
   int mine = 0;
+  if (reinterpret_cast<uintptr_t>(row_ptr) % 16 == 0 && width % 4 == 0) {  // 128-bit loads, none past the row
+#pragma unroll 4
+    for (int j = 4 * threadIdx.x; j < padded; j += 4 * RANK_THREADS) {
+      const float4 v = j < width ? __ldg(reinterpret_cast<const float4*>(row_ptr + j)) : make_float4(0, 0, 0, 0);
+      const uint4 k = make_uint4(key_of(j, v.x), key_of(j + 1, v.y), key_of(j + 2, v.z), key_of(j + 3, v.w));
+      *reinterpret_cast<uint4*>(keys + j) = k;
+      mine += (k.x != 0) + (k.y != 0) + (k.z != 0) + (k.w != 0);
+    }
+  } else {
 #pragma unroll 8
-  for (int j = threadIdx.x; j < padded; j += RANK_THREADS) {
-    const float v = j >= lo && j < hi ? row_ptr[j] : 0.0f;
-    const uint32_t k = j >= lo && j < hi && is_finite(v) ? order_key(v) : 0u;
-    keys[j] = k;
-    mine += k != 0;
+    for (int j = threadIdx.x; j < padded; j += RANK_THREADS) {
+      const uint32_t k = key_of(j, j >= lo && j < hi ? row_ptr[j] : 0.0f);
+      keys[j] = k;
+      mine += k != 0;
+    }
   }
   if (mine) atomicAdd(&usable, mine);
   __syncthreads();
