@@ -97,12 +97,13 @@ class StepPlan:
             self._entries[ratio] = EntryPlan(self, ratio)
         return self._entries[ratio]
 
-    def prepare_entries(self, ratio: int, indexed: bool) -> None:
-        """Make now what the compressors (and with ``indexed``, the indexer) read of the plan at
-        ``ratio``, each part otherwise made on first use: branches forked after this call
-        (``runtime.streams``) then read finished tensors instead of each making them."""
+    def prepare_entries(self, ratio: int) -> None:
+        """Make now what the compressors read of the plan at ``ratio``, each part otherwise made on
+        first use: the compressor's and the indexer's branches (``runtime.streams``), forked after
+        this call, then read finished tensors instead of each making them. (The indexer's key
+        ranges are read by its query branch alone, which makes them.)"""
         shared = self.entries(ratio)
-        for part in ("starts", "slots", "keys") if indexed else ("starts", "slots"):
+        for part in ("starts", "slots"):
             getattr(shared, part)
         getattr(self, "fresh")
 
@@ -222,7 +223,7 @@ def paged_attention(attn: DeepseekV4Attention, x: torch.Tensor, plan: StepPlan, 
     rope_at = ropes["compress" if attn.ratio else "main"](positions, fused=plan.production)
     attn.run_input_projections(x)  # before any fork: every branch takes its slices of these GEMMs
     if attn.ratio:
-        plan.prepare_entries(attn.ratio, indexed=attn.layer_type == CSA)
+        plan.prepare_entries(attn.ratio)
     q_residual = attn.q_a_norm(attn.q_a_proj(x))
     # a captured step runs three chains beside the query and window path: the compressor's, the
     # indexer's keys, and the indexer's queries, which join the keys before scoring them

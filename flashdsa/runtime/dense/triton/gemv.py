@@ -36,7 +36,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_xk, stride_wn, s
 def launch_shape(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) for an [n, k] weight: BLOCK_N rows a program so that about TARGET_PROGRAMS
     programs run (powers of two, 1..16), BLOCK_K the rest of the TILE (at most k, rounded up)."""
-    block_n = min(16, max(1, triton.next_power_of_2(max(1, n // TARGET_PROGRAMS) + 1) // 2))
+    rows_per_program = max(1, n // TARGET_PROGRAMS)
+    block_n = min(16, 1 << (rows_per_program.bit_length() - 1))  # the largest power of two not above it
     block_k = max(MIN_BLOCK_K, min(TILE // block_n, triton.next_power_of_2(max(k, 1))))
     return block_n, block_k
 
