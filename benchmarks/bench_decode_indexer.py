@@ -21,7 +21,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.common import Row, cache_keys, compiled_stats, kernel_split, median_ms, output_parser, report
+from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.cache.triton import writes
+from flashdsa.runtime.checks import trusted_values
+from flashdsa.runtime.indexer import indexer_fused_topk
 from flashdsa.runtime.indexer.triton import logits, topk
 from flashdsa.runtime.kernels.triton import sparse_decode
 
@@ -159,7 +162,13 @@ def bench_indexer_prefill(device) -> list[Row]:
     rows = [Row("indexer logits prefill", shape, ms, flops / ms / 1e9, "TFLOPS", 1.0, "report only (fp8 dots)")]
     ms = median_ms([lambda: topk.indexer_fused_topk(q, w, k, k_scale, starts, ends, TOPK, 4096)], warmup=1, iters=5)
     rows.append(Row("indexer fused score+top-k prefill", shape + f" topk={TOPK}", ms, flops / ms / 1e9, "TFLOPS",
-                    1.0, "report only; chunk 4096"))
+                    1.0, "report only; triton, chunk 4096"))
+    if "cuda" in dispatch.available("indexer_fused_topk") and native.unavailable() is None:
+        with trusted_values():
+            ms = median_ms([lambda: indexer_fused_topk(q, w, k, k_scale, starts, ends, TOPK, backend="cuda")],
+                           warmup=1, iters=5)
+        rows.append(Row("indexer fused score+top-k prefill", shape + f" topk={TOPK}", ms, flops / ms / 1e9,
+                        "TFLOPS", 1.0, "report only; whole rows + native top-k"))
     for r in rows:
         print(r)
     return rows

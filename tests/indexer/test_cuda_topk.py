@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from flashdsa.runtime import dispatch
-from flashdsa.runtime.indexer import CUDA_MAX_TOPK, indexer_topk
+from flashdsa.runtime.cache.layout import quantize_indexer_key
+from flashdsa.runtime.indexer import CUDA_MAX_TOPK, indexer_fused_topk, indexer_logits, indexer_topk
 from flashdsa.testing import assert_raw_op_refuses, poisoned_empty, tricky_logits
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -206,6 +207,39 @@ def test_rows_without_ranges_make_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def fused_inputs(num_q: int, num_keys: int, g: torch.Generator, causal: bool = False) -> tuple:
+    """FP8 queries [T, 64, 128], weights of both signs, quantized keys, and ranges per query: random
+    ones (with an empty and a full row), or causal ones as a prefill's last T queries have."""
+    q = (torch.randn(num_q, 64, 128, generator=g) * 40).to(torch.float8_e4m3fn)
+    weights = torch.randn(num_q, 64, generator=g) * 0.1
+    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128, generator=g))
+    if causal:
+        ends = (num_keys - num_q + 1 + torch.arange(num_q, dtype=torch.int32)).clamp(0, num_keys)
+        starts = torch.zeros_like(ends)
+    else:
+        starts, ends = (t.cpu() for t in random_ranges(num_q, num_keys, g))
+    return tuple(t.to(cuda) for t in (q, weights, k_fp8, k_scale, starts, ends))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_q, num_keys, topk, causal, scratch_rows", [
+    (70, 9000, 2048, False, None), (300, 5000, 64, True, 7), (5, 3000, 2048, True, 1), (40, 1, 4, False, None),
+    (9, 0, 16, True, None), (0, 100, 8, True, None), (1200, 1500, 512, True, 500)])
+def test_fused_topk_equals_topk_of_the_logits(monkeypatch, num_q, num_keys, topk, causal, scratch_rows):
+    """Whole rows scored a group at a time (``scratch_rows`` rows a group where given: several groups,
+    one row each, a short last one), then selected: exactly the reference top-k of the Triton logits."""
+    from flashdsa.runtime.indexer.cuda import topk as cuda_topk
+
+    if scratch_rows is not None:
+        monkeypatch.setattr(cuda_topk, "SCRATCH_BYTES", scratch_rows * 4 * num_keys)
+    inputs = fused_inputs(num_q, num_keys, generator(num_q, num_keys, topk), causal)
+    with poisoned_empty():
+        got = indexer_fused_topk(*inputs, topk, backend="cuda")
+    logits = indexer_logits(*inputs, backend="triton")
+    want = indexer_topk(logits, topk, *inputs[4:], backend="reference")
+    assert torch.equal(got, want), f"seed {SEED}: fused top-k differs at {int((got != want).sum())} places"
+
+
 RAW_OP_CASES = """
 logits = torch.randn(4, 300, device=cuda)
 ends = torch.full((4,), 300, dtype=torch.int32, device=cuda)
@@ -236,6 +270,7 @@ def test_dispatch_picks_cuda_on_hopper_and_refuses_larger_topk(monkeypatch):
     from flashdsa.runtime.indexer.cuda import topk
 
     assert dispatch.select("indexer_topk", cuda, topk=2048) is topk.indexer_topk
+    assert dispatch.select("indexer_fused_topk", cuda, head_dim=128, topk=2048) is topk.indexer_fused_topk
     with pytest.raises(ValueError, match=f"topk <= {CUDA_MAX_TOPK}, got {CUDA_MAX_TOPK + 1}"):
         indexer_topk(torch.randn(2, 5000, device=cuda), CUDA_MAX_TOPK + 1, backend="cuda")
 

@@ -62,10 +62,20 @@ def fp8_abs(x: torch.Tensor) -> torch.Tensor:
     return (x.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
 
 
-def check_ragged(q, weights, k_fp8, k_scale, starts, ends):
-    got = indexer_logits(q, weights, k_fp8, k_scale, starts, ends, backend="triton")
+def check_ragged(q, weights, k_fp8, k_scale, starts, ends, rows=None):
+    """Public op vs the reference; with ``rows`` (queries a program scores), the kernel's window
+    API instead, over a window of key columns that starts and ends inside the keys."""
     ref = reference.indexer_logits(q, weights, k_fp8, k_scale, starts, ends)
     bound = reference.indexer_logits(fp8_abs(q), weights.abs(), fp8_abs(k_fp8), k_scale, starts, ends)
+    if rows is None:
+        got = indexer_logits(q, weights, k_fp8, k_scale, starts, ends, backend="triton")
+    else:
+        from flashdsa.runtime.indexer.triton.logits import ragged_logits_into
+
+        cols = slice(min(37, k_fp8.shape[0]), max(0, k_fp8.shape[0] - 5))
+        got = torch.full((q.shape[0], cols.stop - cols.start), 7.0, device=q.device)
+        ragged_logits_into(got, q, weights, k_fp8, k_scale, starts, ends, cols.start, rows=rows)
+        ref, bound = ref[:, cols], bound[:, cols]
     assert_logits_close(got, ref, bound)
     return got
 
@@ -177,6 +187,13 @@ def test_ragged_logits_match_reference(num_q, num_heads, num_keys):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_ragged_logits_over_a_key_window_match_reference(rows):
+    """Programs of 1, 2 and 4 queries (a short last one: 37 queries), the key window inside the keys."""
+    check_ragged(*ragged_inputs(37, 64, 3000, cuda, generator(rows, 7)), rows=rows)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("next_n, num_heads, lens", [(1, 64, [1, 64, 65, 3000]), (2, 64, [2, 777]),
                                                     (3, 16, [5, 130, 1000]), (4, 20, [4, 64])])
 def test_paged_logits_match_reference(next_n, num_heads, lens):
@@ -250,6 +267,8 @@ def run_interpreter_cases() -> None:
         inputs = ragged_inputs(num_q, num_heads, num_keys, cpu, generator(num_q))
         check_ragged(*inputs)
         check_fused(*inputs, 16, 100)
+    for rows in (1, 4):
+        check_ragged(*ragged_inputs(5, 64, 260, cpu, generator(rows)), rows=rows)
     check_paged(*paged_inputs(2, 2, 16, [3, 150], cpu, generator(3)))
     check_paged(*paged_inputs(2, 1, 16, [70, 200], cpu, generator(4)), tokens_per_step=128, steps=2)
     check_paged(*paged_inputs(2, 3, 16, [70, 200], cpu, generator(5)), tokens_per_step=64, steps=2, heads_on_n=True)

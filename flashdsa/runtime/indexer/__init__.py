@@ -19,9 +19,12 @@ both tensors or both None, whole rows, and the other ops' are always tensors):
   indexer_fused_topk     reference  flashdsa.runtime.indexer.reference:indexer_fused_topk
                          triton     flashdsa.runtime.indexer.triton.topk:indexer_fused_topk
   indexer_topk           cuda       flashdsa.runtime.indexer.cuda.topk:indexer_topk (SM90)
+  indexer_fused_topk     cuda       flashdsa.runtime.indexer.cuda.topk:indexer_fused_topk (SM90;
+                                    Triton logits of whole rows, native top-k)
 Triton support check (facts ``head_dim``, ``dtype``, ``topk``, ``block_size``): head_dim 128, no
 float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size. CUDA support check: topk <=
-CUDA_MAX_TOPK and a CUDA toolchain to build the kernel with (``flashdsa.runtime.native``).
+CUDA_MAX_TOPK and a CUDA toolchain to build the kernel with (``flashdsa.runtime.native``); the fused
+top-k's also needs the Triton logits kernel's.
 """
 
 from __future__ import annotations
@@ -72,7 +75,13 @@ def _cuda_topk_supports(topk: int = 1, **_) -> Optional[str]:
 for _op, _module in _TRITON_MODULE.items():
     dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
     dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
+def _cuda_fused_topk_supports(**facts) -> Optional[str]:
+    return _triton_supports(**facts) or _cuda_topk_supports(**facts)
+
+
 dispatch.register("indexer_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_topk", _cuda_topk_supports)
+dispatch.register("indexer_fused_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_fused_topk",
+                  _cuda_fused_topk_supports)
 
 
 def _check_ranges(starts: object, ends: object, num_rows: int, length: int, device: torch.device) -> None:
@@ -269,9 +278,11 @@ def indexer_fused_topk(
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """``indexer_topk(indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends), topk, starts, ends)``
-    without materialising whole logits rows: keys are scored ``chunk`` at a time and merged into a
-    running top-k, so memory is O(T * (topk + chunk)). Arguments as in :func:`indexer_logits`;
-    chunk: int >= 1, keys per step. Returns [T, topk] int32.
+    without materialising all T logits rows at once. The Triton backend scores keys ``chunk`` at a
+    time and merges them into a running top-k (memory O(T * (topk + chunk))); the CUDA backend
+    scores whole rows, as many as fit a fixed 256 MiB buffer (at least one), and selects each in one
+    pass. Arguments as in :func:`indexer_logits`; chunk: int >= 1, keys per step of the Triton merge.
+    Returns [T, topk] int32.
     """
     _check_int("topk", topk, 1)
     _check_int("chunk", chunk, 1)

@@ -1,13 +1,16 @@
 """Indexer logits in Triton with FP8 tensor-core dots (ragged prefill ranges and paged decode).
 
-``score[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q_fp8[t, h] . k_fp8[s])``: one program
-takes one query (all its heads as the M dim of an e4m3 ``tl.dot``) and a run of key tiles, so the
-query is loaded once and every key tile is read straight from the FP8 store. The paged kernel
+``score[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q_fp8[t, h] . k_fp8[s])``: a ragged
+program takes ROWS_PER_PROGRAM queries and a run of key tiles; a key tile is the M dim of an e4m3
+``tl.dot`` and the queries' heads its N, so each tile is read straight from the FP8 store once for
+all the program's queries and the head sum runs along N. The paged kernel
 reads whole 64-token blocks of the indexer pool through the block table (one or more per step,
 masked past the context, so table entries beyond it are never used), with the n query tokens
 of a request stacked along M so a block is read once for all of them. Accumulation is fp32; on
-SM90 the FP8 tensor cores add inside one 32-deep step with reduced precision, so the dots are
-promoted to fp32 every 32 (``max_num_imprecise_acc``), as DeepGEMM does per 128.
+SM90 the FP8 tensor cores add with reduced precision inside a run of steps, so the dots are
+promoted to fp32 after each such run (``max_num_imprecise_acc``): the paged kernel every 32, the
+ragged one once per 128-deep dot, as DeepGEMM does (every 32 kept the ragged kernel's accumulators
+in twice the registers, and it spilled).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton.language as tl
 from flashdsa.runtime.cache.layout import INDEX_HEAD_DIM
 
 BLOCK_S = 128  # keys per dot in the ragged kernel
+ROWS_PER_PROGRAM = 2  # queries per ragged program: each key tile read once for all of them
 TILES_PER_PROGRAM = 8  # key tiles one ragged program walks
 STEPS_PER_PROGRAM = 16  # steps of whole cache blocks one paged program walks
 
@@ -28,50 +32,72 @@ def _pad_heads(num_heads: int) -> int:
 
 
 @triton.jit
-def _head_sum(q, w, k_fp8):
-    """``sum_h w[h] * relu(q[h] . k[s])`` for ``q: [H, D]``, ``w: [H]``, ``k_fp8: [S, D]`` -> [S]."""
-    dots = tl.dot(q, tl.trans(k_fp8), max_num_imprecise_acc=32)
-    return tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)
+def _minus_inf_tiles(out_ptr, rows, live, cols_from, cols_to, num_cols, stride_out,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """-inf into columns [cols_from, cols_to) (whole tiles from cols_from) of the given rows."""
+    for c in range(cols_from, cols_to, BLOCK):
+        cols = c + tl.arange(0, BLOCK)
+        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], tl.full([BLOCK, ROWS], float("-inf"), tl.float32),
+                 mask=live[None, :] & (cols < num_cols)[:, None])
 
 
 @triton.jit
 def _ragged_kernel(q_ptr, w_ptr, k_ptr, k_scale_ptr, starts_ptr, ends_ptr, out_ptr,
-                   num_heads, num_keys, col0, num_cols, stride_q, stride_w, stride_out,
-                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
-    """Row t, key columns [col0 + j * BLOCK * TILES, ...) of the window [col0, col0 + num_cols)."""
-    t = tl.program_id(0).to(tl.int64)
+                   num_q, num_heads, col0, num_cols, stride_q, stride_w, stride_out,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """Rows [t0, t0 + ROWS) and key columns [c_lo, c_lo + BLOCK * TILES) of the window [col0, col0 + num_cols).
+    A key tile is the dot's M and the rows' heads its N (column n: row n // H, head n % H), so each
+    tile is read once for ROWS rows and the head sum runs along N; tiles no row's range touches are
+    only filled with -inf, so the scoring loop has plain bounds and its loads pipeline."""
+    t0 = tl.program_id(0) * ROWS
     c_lo = tl.program_id(1) * BLOCK * TILES
-    h = tl.arange(0, H)
+    c_end = c_lo + BLOCK * TILES
+    row = t0 + tl.arange(0, ROWS)
+    live = row < num_q
+    start = tl.load(starts_ptr + row, mask=live, other=2**31 - 1)  # rows past the last: empty ranges
+    end = tl.load(ends_ptr + row, mask=live, other=0)
+    n = tl.arange(0, ROWS * H)
+    n_row, n_head = t0 + n // H, n % H
+    n_live = (n_row < num_q) & (n_head < num_heads)
     d = tl.arange(0, D)
-    start = tl.load(starts_ptr + t)
-    end = tl.load(ends_ptr + t)
-    q = tl.load(q_ptr + t * stride_q + h[:, None] * D + d[None, :], mask=(h < num_heads)[:, None], other=0.0)
-    w = tl.load(w_ptr + t * stride_w + h, mask=h < num_heads, other=0.0)
-    for c in range(c_lo, c_lo + BLOCK * TILES, BLOCK):
+    q = tl.load(q_ptr + n_row.to(tl.int64)[None, :] * stride_q + n_head[None, :] * D + d[:, None],
+                mask=n_live[None, :], other=0.0)  # [D, ROWS * H]
+    w = tl.load(w_ptr + n_row.to(tl.int64) * stride_w + n_head, mask=n_live, other=0.0)
+    key_lo, key_hi = tl.min(start), tl.max(end)  # keys some row scores
+    lo = tl.minimum(c_lo + tl.maximum(key_lo - col0 - c_lo, 0) // BLOCK * BLOCK, c_end)
+    hi = tl.maximum(tl.minimum(c_lo + tl.cdiv(tl.maximum(key_hi - col0 - c_lo, 0), BLOCK) * BLOCK, c_end), lo)
+    rows = row.to(tl.int64)
+    _minus_inf_tiles(out_ptr, rows, live, c_lo, lo, num_cols, stride_out, BLOCK, ROWS)
+    for c in range(lo, hi, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         s = col0 + cols
-        inside = (s >= start) & (s < end)
-        if (col0 + c < end) & (col0 + c + BLOCK > start):
-            k = tl.load(k_ptr + s.to(tl.int64)[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            scale = tl.load(k_scale_ptr + s, mask=inside, other=0.0)
-            score = tl.where(inside, _head_sum(q, w, k) * scale, float("-inf"))
-        else:
-            score = tl.full([BLOCK], float("-inf"), tl.float32)
-        tl.store(out_ptr + t * stride_out + cols, score, mask=cols < num_cols)
+        wanted = (s >= key_lo) & (s < key_hi)
+        k = tl.load(k_ptr + s.to(tl.int64)[:, None] * D + d[None, :], mask=wanted[:, None], other=0.0)
+        scale = tl.load(k_scale_ptr + s, mask=wanted, other=0.0)
+        dots = tl.dot(k, q, max_num_imprecise_acc=D)  # [BLOCK, ROWS * H], promoted to fp32 once
+        heads = tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK, ROWS, H])
+        score = tl.sum(heads, 2) * scale[:, None]  # [BLOCK, ROWS]
+        inside = (s[:, None] >= start[None, :]) & (s[:, None] < end[None, :])
+        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], tl.where(inside, score, float("-inf")),
+                 mask=live[None, :] & (cols < num_cols)[:, None])
+    _minus_inf_tiles(out_ptr, rows, live, hi, c_end, num_cols, stride_out, BLOCK, ROWS)
 
 
-def ragged_logits_into(out: torch.Tensor, q_fp8, weights, k_fp8, k_scale, starts, ends, col0: int = 0) -> None:
+def ragged_logits_into(out: torch.Tensor, q_fp8, weights, k_fp8, k_scale, starts, ends, col0: int = 0, *,
+                       rows: int = ROWS_PER_PROGRAM) -> None:
     """Write the logits of key columns ``[col0, col0 + out.shape[1])`` into ``out: [T, c]`` fp32
-    (rows may be strided): the ragged kernel over a window of keys, -inf outside each range."""
+    (rows may be strided): the ragged kernel over a window of keys, -inf outside each range.
+    ``rows``: queries a program scores (a power of two; tests vary it)."""
     num_q, num_heads, _ = q_fp8.shape
     num_cols = out.shape[1]
     if num_q == 0 or num_cols == 0:
         return
-    grid = (num_q, triton.cdiv(num_cols, BLOCK_S * TILES_PER_PROGRAM))
+    grid = (triton.cdiv(num_q, rows), triton.cdiv(num_cols, BLOCK_S * TILES_PER_PROGRAM))
     _ragged_kernel[grid](
         q_fp8, weights, k_fp8, k_scale, starts, ends, out,
-        num_heads, k_fp8.shape[0], col0, num_cols, q_fp8.stride(0), weights.stride(0), out.stride(0),
-        H=_pad_heads(num_heads), D=INDEX_HEAD_DIM, BLOCK=BLOCK_S, TILES=TILES_PER_PROGRAM, num_warps=4,
+        num_q, num_heads, col0, num_cols, q_fp8.stride(0), weights.stride(0), out.stride(0),
+        H=_pad_heads(num_heads), D=INDEX_HEAD_DIM, BLOCK=BLOCK_S, TILES=TILES_PER_PROGRAM, ROWS=rows,
+        num_warps=4, num_stages=3,
     )
 
 
