@@ -3,8 +3,9 @@
 - decode: b=128, s_q=2, h_q=128, topk=2048, s_kv=32K per request, slot ids uniform over each
   request's context; FLOPs 2*h_q*topk*(d_qk+d_v) per query token; floor 200 TFLOPS. A sweep of
   (keys per step, warps, stages) with each variant's registers, spills and shared memory.
-- indexer decode: b=64, context 128K, H=64: paged logits + top-2048, GB/s of indexer cache read
-  (132 B/token) vs 50% of the copy bandwidth measured in the same run (bytes read + written).
+- indexer decode: b=64, context 128K, H=64: paged logits + top-2048 (the public top-k: native on
+  SM90), GB/s of indexer cache read (132 B/token) vs 50% of the copy bandwidth measured in the
+  same run (bytes read + written) for the logits alone, 80% for both.
 - indexer prefill: 4096 queries over 64K keys (causal ranges): logits (FP8 TFLOPS over the
   in-range pairs) and the fused score + top-2048.
 - top-k 2048 of 128K per row, 128 rows, vs torch.topk (floor 3x).
@@ -24,7 +25,7 @@ from benchmarks.common import Row, cache_keys, compiled_stats, kernel_split, med
 from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.cache.triton import writes
 from flashdsa.runtime.checks import trusted_values
-from flashdsa.runtime.indexer import indexer_fused_topk
+from flashdsa.runtime.indexer import indexer_fused_topk, indexer_topk
 from flashdsa.runtime.indexer.triton import logits, topk
 from flashdsa.runtime.kernels.triton import sparse_decode
 
@@ -42,8 +43,8 @@ SMALL_BATCH_CONFIGS = [  # split over the top-k with a combine
     (64, 8, 1, False, False, True, False), (64, 8, 2, False, False, False, False),
 ]
 INDEXER_B, INDEXER_CTX, INDEXER_H, TOPK = 64, 131072, 64, 2048
-PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads on the dot's N)
-    (64, 16, 4, 3, False), (64, 8, 4, 4, False), (128, 8, 4, 3, False), (64, 16, 4, 3, True), (128, 8, 4, 3, True),
+PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads on the dot's N); None: the default
+    (None, None, 4, 3, True), (64, 16, 4, 3, False), (128, 8, 4, 3, False), (64, 16, 4, 3, True), (128, 8, 4, 3, True),
     (128, 8, 8, 3, True), (256, 4, 8, 2, True),
 ]
 PREFILL_Q, PREFILL_KEYS = 4096, 65536
@@ -133,17 +134,20 @@ def bench_indexer_decode(device, copy_gbs) -> list[Row]:
     scores = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
     starts = torch.zeros(INDEXER_B, dtype=torch.int32, device=device)
     ends = torch.full_like(starts, INDEXER_CTX)
-    ms_topk = median_ms([lambda: topk.indexer_topk(scores, TOPK, starts, ends)])
-    rows.append(Row("indexer top-k (decode rows)", shape + f" topk={TOPK}", ms_topk, read / ms_topk / 1e6, "GB/s",
-                    target, "top-k alone, rate in cache bytes"))
+    backend = dispatch.choose("indexer_topk", device, topk=TOPK)
+    with trusted_values():  # as in the engine: the ranges are not read back
+        ms_topk = median_ms([lambda: indexer_topk(scores, TOPK, starts, ends, sorted=False)])
+        rows.append(Row("indexer top-k (decode rows)", shape + f" topk={TOPK}", ms_topk, read / ms_topk / 1e6, "GB/s",
+                        target, f"top-k alone ({backend}, unsorted), rate in cache bytes"))
 
-    def both():
-        s = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
-        return topk.indexer_topk(s, TOPK, starts, ends)
+        def both():
+            s = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
+            return indexer_topk(s, TOPK, starts, ends, sorted=False)
 
-    ms = median_ms([both])
-    rows.append(Row("indexer logits + top-k decode", shape + f" topk={TOPK}", ms, read / ms / 1e6, "GB/s", target,
-                    f"{100 * read / ms / 1e6 / copy_gbs:.0f}% of copy {copy_gbs:.0f} GB/s; {best}"))
+        ms = median_ms([both])
+    rows.append(Row("indexer logits + top-k decode", shape + f" topk={TOPK}", ms, read / ms / 1e6, "GB/s",
+                    0.8 * copy_gbs, f"{100 * read / ms / 1e6 / copy_gbs:.0f}% of copy {copy_gbs:.0f} GB/s (target "
+                    f"80%); top-k {backend}; {best}"))
     print(rows[-1])
     return rows
 

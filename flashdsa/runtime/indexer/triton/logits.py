@@ -3,14 +3,15 @@
 ``score[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q_fp8[t, h] . k_fp8[s])``: a ragged
 program takes ROWS_PER_PROGRAM queries and a run of key tiles; a key tile is the M dim of an e4m3
 ``tl.dot`` and the queries' heads its N, so each tile is read straight from the FP8 store once for
-all the program's queries and the head sum runs along N. The paged kernel
-reads whole 64-token blocks of the indexer pool through the block table (one or more per step,
-masked past the context, so table entries beyond it are never used), with the n query tokens
-of a request stacked along M so a block is read once for all of them. Accumulation is fp32; on
-SM90 the FP8 tensor cores add with reduced precision inside a run of steps, so the dots are
-promoted to fp32 after each such run (``max_num_imprecise_acc``): the paged kernel every 32, the
-ragged one once per 128-deep dot, as DeepGEMM does (every 32 kept the ragged kernel's accumulators
-in twice the registers, and it spilled).
+all the program's queries and the head sum runs along N. The paged kernel reads whole 64-token
+blocks of the indexer pool through the block table (one or more per step, masked past the
+context, so table entries beyond it are never used), with the n query tokens of a request and
+their heads on N (or, by a knob, on M) so a block is read once for all of them. Both loop over
+key tiles with plain bounds (tiles past every range are only filled with -inf), so their loads
+pipeline. Accumulation is fp32; on SM90 the FP8 tensor cores add with reduced precision inside a
+run of steps, so the dots are promoted to fp32 after each run (``max_num_imprecise_acc``): here
+once per 128-deep dot, as DeepGEMM does. Promoting every 32 kept two accumulators live, and the
+kernels spilled.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _ragged_kernel(q_ptr, w_ptr, k_ptr, k_scale_ptr, starts_ptr, ends_ptr, out_p
         wanted = (s >= key_lo) & (s < key_hi)
         k = tl.load(k_ptr + s.to(tl.int64)[:, None] * D + d[None, :], mask=wanted[:, None], other=0.0)
         scale = tl.load(k_scale_ptr + s, mask=wanted, other=0.0)
-        dots = tl.dot(k, q, max_num_imprecise_acc=D)  # [BLOCK, ROWS * H], promoted to fp32 once
+        dots = tl.dot(k, q, max_num_imprecise_acc=D)  # [BLOCK, ROWS * H]
         heads = tl.reshape(tl.maximum(dots, 0.0) * w[None, :], [BLOCK, ROWS, H])
         score = tl.sum(heads, 2) * scale[:, None]  # [BLOCK, ROWS]
         inside = (s[:, None] >= start[None, :]) & (s[:, None] < end[None, :])
@@ -132,28 +133,30 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
     out_rows = (b * next_n + tl.arange(0, NEXT_N)).to(tl.int64)[:, None] * max_context_len
     query_ok = (tl.arange(0, NEXT_N) < next_n)[:, None]
     block_bytes = BLOCK_SIZE * (D + 4)
-    for step in range(step0, step0 + STEPS):
+    live_steps = tl.minimum(step0 + STEPS, tl.cdiv(length, TOKENS))  # steps past the context: only -inf
+    for step in range(step0, live_steps):
         pos = step * TOKENS + tl.arange(0, TOKENS)
-        if step * TOKENS < length:
-            inside = pos < length
-            block = tl.load(table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
-            base = cache_ptr + block * block_bytes
-            offset = pos % BLOCK_SIZE
-            k = tl.load(base[:, None] + offset[:, None] * D + d[None, :], mask=inside[:, None], other=0)
-            scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + offset, mask=inside, other=0.0)
-            k = k.to(tl.float8e4nv, bitcast=True)
-            if HEADS_ON_N:  # tokens on M, heads on N: the head sum stays inside each warp
-                dots = tl.dot(k, tl.trans(q), max_num_imprecise_acc=32)
-                dots = tl.maximum(dots, 0.0) * w[None, :]  # [TOKENS, NEXT_N * H]
-                score = tl.trans(tl.sum(tl.reshape(dots, (TOKENS, NEXT_N, H)), 2)) * scale[None, :]
-            else:
-                dots = tl.dot(q, tl.trans(k), max_num_imprecise_acc=32)
-                dots = tl.maximum(dots, 0.0) * w[:, None]  # [NEXT_N * H, TOKENS]
-                score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
-            score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
+        inside = pos < length
+        block = tl.load(table_ptr + b * stride_table + pos // BLOCK_SIZE, mask=inside, other=0).to(tl.int64)
+        base = cache_ptr + block * block_bytes
+        offset = pos % BLOCK_SIZE
+        k = tl.load(base[:, None] + offset[:, None] * D + d[None, :], mask=inside[:, None], other=0)
+        scale = tl.load((base + BLOCK_SIZE * D).to(tl.pointer_type(tl.float32)) + offset, mask=inside, other=0.0)
+        k = k.to(tl.float8e4nv, bitcast=True)
+        if HEADS_ON_N:  # tokens on M, heads on N: the head sum stays inside each warp
+            dots = tl.dot(k, tl.trans(q), max_num_imprecise_acc=D)
+            dots = tl.maximum(dots, 0.0) * w[None, :]  # [TOKENS, NEXT_N * H]
+            score = tl.trans(tl.sum(tl.reshape(dots, (TOKENS, NEXT_N, H)), 2)) * scale[None, :]
         else:
-            score = tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32)
+            dots = tl.dot(q, tl.trans(k), max_num_imprecise_acc=D)
+            dots = tl.maximum(dots, 0.0) * w[:, None]  # [NEXT_N * H, TOKENS]
+            score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
+        score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
         tl.store(out_ptr + out_rows + pos[None, :], score, mask=query_ok & (pos < max_context_len)[None, :])
+    for step in range(tl.maximum(live_steps, step0), step0 + STEPS):
+        pos = step * TOKENS + tl.arange(0, TOKENS)
+        tl.store(out_ptr + out_rows + pos[None, :], tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32),
+                 mask=query_ok & (pos < max_context_len)[None, :])
 
 
 def _paged_steps(batch: int, max_context_len: int, tokens: int, device: torch.device) -> int:
@@ -167,18 +170,22 @@ def _paged_steps(batch: int, max_context_len: int, tokens: int, device: torch.de
 
 
 def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
-                         tokens_per_step: int = 64, steps: int | None = None, num_warps: int = 4,
-                         num_stages: int = 3, heads_on_n: bool = False) -> torch.Tensor:
+                         tokens_per_step: int | None = None, steps: int | None = None, num_warps: int = 4,
+                         num_stages: int = 3, heads_on_n: bool = True) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
     query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond.
     The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
-    the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step."""
+    the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step.
+    By default 128 tokens a step for up to 2 queries a request, else 64 (more keep the [tokens,
+    n * heads] accumulator out of registers: it spills). H100, b=64 at 128K: 1046 us at the
+    former default (64 tokens, heads on M), 439 us at this one."""
     batch, next_n, num_heads, _ = q_fp8.shape
     out = torch.empty(batch * next_n, max_context_len, dtype=torch.float32, device=q_fp8.device)
     if out.numel() == 0:
         return out
     block_size = k_cache.shape[1]
+    tokens_per_step = tokens_per_step or (128 if next_n <= 2 else 64)
     tokens = max(tokens_per_step, block_size)
     steps = steps or _paged_steps(batch, max_context_len, tokens, q_fp8.device)
     grid = (batch, triton.cdiv(max_context_len, tokens * steps))
