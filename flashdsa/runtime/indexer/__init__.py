@@ -72,13 +72,13 @@ def _cuda_topk_supports(topk: int = 1, **_) -> Optional[str]:
     return native.unavailable()
 
 
-for _op, _module in _TRITON_MODULE.items():
-    dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
-    dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
 def _cuda_fused_topk_supports(**facts) -> Optional[str]:
     return _triton_supports(**facts) or _cuda_topk_supports(**facts)
 
 
+for _op, _module in _TRITON_MODULE.items():
+    dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
+    dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
 dispatch.register("indexer_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_topk", _cuda_topk_supports)
 dispatch.register("indexer_fused_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_fused_topk",
                   _cuda_fused_topk_supports)

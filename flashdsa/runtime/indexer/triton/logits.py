@@ -38,7 +38,8 @@ def _minus_inf_tiles(out_ptr, rows, live, cols_from, cols_to, num_cols, stride_o
     """-inf into columns [cols_from, cols_to) (whole tiles from cols_from) of the given rows."""
     for c in range(cols_from, cols_to, BLOCK):
         cols = c + tl.arange(0, BLOCK)
-        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], tl.full([BLOCK, ROWS], float("-inf"), tl.float32),
+        minus_inf = tl.full([BLOCK, ROWS], float("-inf"), tl.float32)
+        tl.store(out_ptr + rows[None, :] * stride_out + cols[:, None], minus_inf,
                  mask=live[None, :] & (cols < num_cols)[:, None])
 
 
@@ -177,9 +178,9 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
     query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond.
     The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
     the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step.
-    By default 128 tokens a step for up to 2 queries a request, else 64 (more keep the [tokens,
-    n * heads] accumulator out of registers: it spills). H100, b=64 at 128K: 1046 us at the
-    former default (64 tokens, heads on M), 439 us at this one."""
+    By default 128 tokens a step for up to 2 queries a request, else 64 (from 3 queries the
+    [128, n * heads] accumulator spills). H100, b=64 at 128K: 1046 us at the former default (64
+    tokens, heads on M), 439 us at this one."""
     batch, next_n, num_heads, _ = q_fp8.shape
     out = torch.empty(batch * next_n, max_context_len, dtype=torch.float32, device=q_fp8.device)
     if out.numel() == 0:
