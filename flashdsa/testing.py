@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from flashdsa.runtime.cache.layout import BLOCK_SIZE, KV_LORA_RANK, ROPE_DIM, quantize_mla
+from flashdsa.runtime.cache.layout import BLOCK_SIZE, KV_LORA_RANK, ROPE_DIM, quantize_indexer_key, quantize_mla
 
 INT32_MAX = 2**31 - 1
 _SAMPLE_ELEMENTS = 2**24  # random scores drawn at once when sampling distinct indices
@@ -74,6 +74,15 @@ def tricky_logits(rows: int, length: int, device, g: torch.Generator) -> torch.T
     x[2::4, ::5] = 0.0
     x[2::4, 1::5] = -0.0
     return x.to(device)
+
+
+def indexer_operands(num_q: int, num_heads: int, num_keys: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """CPU operands of the ragged indexer ops: rotated-looking FP8 queries ``[T, H, 128]``, head
+    weights of both signs ``[T, H]`` and quantized keys ``[S, 128]`` with their scales ``[S]``."""
+    q = (torch.randn(num_q, num_heads, 128, generator=g) * 40).to(torch.float8_e4m3fn)
+    weights = torch.randn(num_q, num_heads, generator=g) * 0.1
+    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128, generator=g))
+    return q, weights, k_fp8, k_scale
 
 
 def cosine_distance(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ from torch import nn
 from flashdsa.models.deepseek_v4_compressor import Compressor, CompressorState, Indexer, visible_entries
 from flashdsa.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 from flashdsa.models.hyper_connections import RMSNorm, normalize_heads
-from flashdsa.models.linear import fuse_shared_input
+from flashdsa.models.linear import FusedLinear, fuse_shared_input
 from flashdsa.models.rope import RopeAt, Rotary
 
 QUERY_CHUNK = 256  # queries per gather in the reference core (bounds its [chunk, K, D] working set)
@@ -168,10 +168,9 @@ class DeepseekV4Attention(nn.Module):
         """Run the fused input GEMMs for ``x`` now (after :meth:`fuse_input_projections`; else
         nothing): each part then answers from their outputs, so work forked onto other streams
         after this call reads finished results (``runtime.streams``)."""
-        for name in ("fused_fp8linear", "fused_linear"):
-            fused = getattr(self, name, None)
-            if fused is not None:
-                fused.outputs(x)
+        for module in self.children():
+            if isinstance(module, FusedLinear):
+                module.outputs(x)
 
     def project(self, x: torch.Tensor, rope_at: RopeAt):
         """``x: [T, hidden]`` with its tokens' RoPE -> (q_residual ``[T, q_lora_rank]``, q ``[T, H, D]``,

@@ -103,9 +103,7 @@ class StepPlan:
         this call, then read finished tensors instead of each making them. (The indexer's key
         ranges are read by its query branch alone, which makes them.)"""
         shared = self.entries(ratio)
-        for part in ("starts", "slots"):
-            getattr(shared, part)
-        getattr(self, "fresh")
+        _ = shared.starts, shared.slots, self.fresh  # cached on first read
 
     @cached_property
     def fresh(self) -> torch.Tensor:

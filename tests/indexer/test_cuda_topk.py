@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from flashdsa.runtime import dispatch
-from flashdsa.runtime.cache.layout import quantize_indexer_key
 from flashdsa.runtime.indexer import CUDA_MAX_TOPK, indexer_fused_topk, indexer_logits, indexer_topk
-from flashdsa.testing import assert_raw_op_refuses, poisoned_empty, tricky_logits
+from flashdsa.testing import assert_raw_op_refuses, indexer_operands, poisoned_empty, tricky_logits
 
 SEED = int.from_bytes(os.urandom(4), "little")
 INT32_MAX = torch.iinfo(torch.int32).max
@@ -210,9 +209,7 @@ def test_rows_without_ranges_make_no_host_sync():
 def fused_inputs(num_q: int, num_keys: int, g: torch.Generator, causal: bool = False) -> tuple:
     """FP8 queries [T, 64, 128], weights of both signs, quantized keys, and ranges per query: random
     ones (with an empty and a full row), or causal ones as a prefill's last T queries have."""
-    q = (torch.randn(num_q, 64, 128, generator=g) * 40).to(torch.float8_e4m3fn)
-    weights = torch.randn(num_q, 64, generator=g) * 0.1
-    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128, generator=g))
+    q, weights, k_fp8, k_scale = indexer_operands(num_q, 64, num_keys, g)
     if causal:
         ends = (num_keys - num_q + 1 + torch.arange(num_q, dtype=torch.int32)).clamp(0, num_keys)
         starts = torch.zeros_like(ends)

@@ -28,7 +28,14 @@ from flashdsa.runtime.indexer import (
     reference,
     rotate_quantize_indexer,
 )
-from flashdsa.testing import kernel_test_main, poisoned_empty, random_block_table, run_under_interpreter, tricky_logits
+from flashdsa.testing import (
+    indexer_operands,
+    kernel_test_main,
+    poisoned_empty,
+    random_block_table,
+    run_under_interpreter,
+    tricky_logits,
+)
 
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 LOGITS_RTOL = 5e-4
@@ -40,9 +47,7 @@ def generator(*salt: int) -> torch.Generator:
 
 def ragged_inputs(num_q, num_heads, num_keys, device, g):
     """Rotated-looking FP8 queries and keys, weights, and random ranges [start, end) per query."""
-    q = (torch.randn(num_q, num_heads, 128, generator=g) * 40).to(torch.float8_e4m3fn)
-    weights = torch.randn(num_q, num_heads, generator=g) * 0.1
-    k_fp8, k_scale = quantize_indexer_key(torch.randn(num_keys, 128, generator=g))
+    q, weights, k_fp8, k_scale = indexer_operands(num_q, num_heads, num_keys, g)
     starts = torch.randint(0, max(1, num_keys // 3), (num_q,), generator=g, dtype=torch.int32).clamp(max=num_keys)
     ends = (starts + torch.randint(0, num_keys + 1, (num_q,), generator=g, dtype=torch.int32)).clamp(max=num_keys)
     return tuple(t.to(device) for t in (q, weights, k_fp8, k_scale, starts, ends))

@@ -243,7 +243,8 @@ def _counters_for(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     """The device's int32 ticket counters (MAX_TICKET_TILES of them, zeroed once when first
     needed; every launch leaves them at 0), or None where they cannot serve: more tiles than
     counters, on a side stream (``runtime.streams``), or none made yet while a CUDA graph is being
-    captured (a buffer made during capture would be zeroed only at replay). Then the launch sums its splits in a second kernel."""
+    captured (a buffer made during capture would be zeroed only at replay). Then the launch sums
+    its splits in a second kernel."""
     if tiles > MAX_TICKET_TILES or on_side_stream(device):  # a side branch may run beside the counters' owner
         return None
     if device not in _counters:
