@@ -45,6 +45,27 @@ def rank_kernel_serves(rows: int, width: int) -> bool:
     return width <= RANK_MAX_WIDTH and rows * width * width <= RANK_MAX_WORK
 
 
+TIE_RUN_MAX = 64  # topk.cu: a sorted selection with a longer run of equal scores takes the 64-bit sort
+
+
+def longest_ties(logits: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per row, the longest run of equal scores in the (reference) sorted top-k of whole rows."""
+    ref = indexer_topk(logits, topk, backend="reference").long()
+    scores = logits.gather(1, ref.clamp(min=0)).masked_fill(ref < 0, float("nan")).cpu()
+    equal = scores[:, 1:] == scores[:, :-1]  # -0.0 == +0.0; NaN padding equals nothing
+    run, longest = torch.zeros(logits.shape[0]), torch.zeros(logits.shape[0])
+    for j in range(equal.shape[1]):
+        run = (run + 1) * equal[:, j]
+        longest = torch.maximum(longest, run)
+    return longest.long() + 1
+
+
+def repeat_per_sm(logits: torch.Tensor, rows_per_sm: int) -> torch.Tensor:
+    """The rows repeated to at least ``rows_per_sm`` rows an SM (0: once), on the GPU."""
+    sms = torch.cuda.get_device_properties(cuda).multi_processor_count
+    return logits.repeat(max(1, -(-rows_per_sm * sms // logits.shape[0])), 1).to(cuda)
+
+
 def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
     """cuda vs reference, sorted and unsorted, every output element poisoned before the kernel runs."""
     ref = indexer_topk(logits, topk, starts, ends, backend="reference")
@@ -124,11 +145,63 @@ def test_crowded_threshold_bins_resolve_every_digit(rows_per_sm):
     logits[7] = -1.0  # 1000 above, then 1048 of 1500 tied: the select on columns for every CTA size
     logits[7, columns[3500:4500]] = 3.0
     logits[7, columns[4500:6000]] = 2.0
-    copies = max(1, -(-rows_per_sm * torch.cuda.get_device_properties(cuda).multi_processor_count // 8))
-    logits = logits.repeat(copies, 1).to(cuda)
+    logits = repeat_per_sm(logits, rows_per_sm)
     check(logits, 2048)
     check(logits, 17, *random_ranges(logits.shape[0], 50000, g))
     assert indexer_topk(logits[1:2], 2048, backend="cuda").tolist() == [list(range(2048))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_sm", [0, 2])
+def test_sorted_short_ties_are_put_in_column_order(rows_per_sm):
+    """Whole-number scores (normal x 400, rounded): the 2048 selected of 131072 hold runs of 2 to
+    about 20 equal scores, which the sorted path puts in column order after its sort on relative
+    keys. One row's selection crosses zero (+0.0 and -0.0 level with each other, keys of both
+    signs: a 32-bit relative span). The 4 rows repeat to ``rows_per_sm`` rows an SM, so each CTA
+    size (1024, 512 threads) runs them; then random ranges (shorter rows, longer runs)."""
+    g = generator(13)
+    logits = torch.randn(4, 131072, generator=g).mul(400)
+    logits[3] -= 1000.0  # the 2048th largest about -140
+    logits = logits.round()
+    zeros = torch.randperm(131072, generator=g)[:8]
+    logits[3, zeros[:4]], logits[3, zeros[4:]] = -0.0, 0.0
+    longest = longest_ties(logits, 2048)
+    assert ((longest >= 2) & (longest <= TIE_RUN_MAX)).all(), longest
+    logits = repeat_per_sm(logits, rows_per_sm)
+    check(logits, 2048)
+    check(logits, 2048, *random_ranges(logits.shape[0], 131072, g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_sm", [0, 2])
+def test_sorted_ties_longer_than_the_run_limit_take_the_64_bit_sort(rows_per_sm):
+    """Selections holding a run of more than TIE_RUN_MAX equal scores (the row sorts (key, column)
+    packed in 64 bits instead): TIE_RUN_MAX + 1 copies of a score inside the selection, 500 at
+    its top, a relu'd row's zeros below its ~90 positive scores (a crowded tie), and TIE_RUN_MAX + 1
+    taken at the threshold; next to runs of exactly TIE_RUN_MAX (no fallback: the widest runs
+    put in column order) inside the selection, at its top, at the threshold, and all of it in
+    such runs. The 8 rows repeat to ``rows_per_sm`` rows an SM, so each CTA size (1024, 512
+    threads) runs them."""
+    g = generator(17)
+    width = 131072
+    logits = torch.randn(8, width, generator=g)
+    columns = torch.randperm(width, generator=g)
+    logits[0, columns[:TIE_RUN_MAX + 1]] = 3.3  # about 60 normal scores above
+    logits[1, columns[:TIE_RUN_MAX]] = 3.3
+    logits[2, columns[:500]] = 6.0
+    logits[3, columns[:TIE_RUN_MAX]] = 6.0
+    logits[4] = torch.relu(logits[4] - 3.2)
+    logits[5:8] = -1.0
+    for r, need in ((5, TIE_RUN_MAX), (6, TIE_RUN_MAX + 1)):  # 2048 - need above, `need` of 100 level taken
+        logits[r, columns[:2048 - need]] = 10.0 + torch.rand(2048 - need, generator=g)
+        logits[r, columns[2048 - need:2148 - need]] = 5.0
+    logits[7, columns[:2048]] = 10.0 + (torch.arange(2048) // TIE_RUN_MAX).float()
+    longest = longest_ties(logits, 2048)
+    assert (longest > TIE_RUN_MAX).tolist() == [True, False, True, False, True, False, True, False], longest
+    assert (longest[1::2] == TIE_RUN_MAX).all(), longest
+    logits = repeat_per_sm(logits, rows_per_sm)
+    check(logits, 2048)
+    check(logits, 100)
 
 
 @pytest.mark.gpu

@@ -21,8 +21,12 @@
 //  4. the candidates' remaining digits are resolved in shared memory down to the exact threshold
 //     key; of the candidates level with it, the lowest columns are kept (a radix select on the
 //     columns when there are more than needed);
-//  5. the selection is radix sorted: by (key descending, column ascending) packed in 64 bits, or
-//     by column.
+//  5. the selection is radix sorted: unsorted, by column; sorted, by key descending relative to
+//     its lowest (key - lowest + 1: about 24 bits for scores within a factor of two of each
+//     other, against 32 + column bits for (key, column) packed), the columns along, then each
+//     run of equal keys is put in column order in shared memory (an entry's place: the run's
+//     start plus the run's entries of lower column); a row with a run longer than TIE_RUN_MAX
+//     sorts (key, inverted column) packed in 64 bits instead.
 // Only a row whose exact threshold key is held by more than CAND_CAP scores (a crowded tie) takes
 // an ordered pass instead of 3-4: a block scan per tile keeps column order, so the first columns
 // of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
@@ -53,6 +57,10 @@ constexpr int BINS = 2048;               // 11-bit digits
 constexpr int LEVELS = 3;
 constexpr int SAMPLE_STRIDE = 8;         // one-pass rows: every 8th tile samples the scores for the floor
 constexpr int BUF_CAP = 4096;            // one-pass rows: scores at or above the floor kept in shared memory
+// Sorted output: each entry of a run of equal keys counts the run's entries of lower column, so
+// 2048 entries in runs of 64 read 128K columns (4K warp-wide loads, about one radix pass); a row
+// with a longer run sorts again by (key, column) packed in 64 bits (13 passes at 128K columns).
+constexpr int TIE_RUN_MAX = 64;
 // key digits, most significant first: bits [21, 32), [10, 21), [0, 10)
 __host__ __device__ constexpr int shift_of(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
 __host__ __device__ constexpr int bits_of(int level) { return level == 2 ? 10 : 11; }
@@ -82,8 +90,11 @@ struct TopK {
   static constexpr int SORT_ITEMS = MAX_TOPK / THREADS;
   static constexpr int CAND_ITEMS = CAND_CAP / THREADS;
   static constexpr int WARPS = THREADS / 32;
+  // digit bits of the relative-key sort's passes (5 fits 113 KB at 512 threads only, and spills there)
+  static constexpr int REL_RADIX_BITS = 4;
 
-  using SortByScore = cub::BlockRadixSort<uint64_t, THREADS, SORT_ITEMS>;  // (key, ~column) packed
+  using SortByRel = cub::BlockRadixSort<uint32_t, THREADS, SORT_ITEMS, int, REL_RADIX_BITS>;  // key - lowest + 1
+  using SortByScore = cub::BlockRadixSort<uint64_t, THREADS, SORT_ITEMS>;  // (key, ~column) packed: long ties
   using SortByColumn = cub::BlockRadixSort<uint32_t, THREADS, SORT_ITEMS>;
 
   struct Shared {
@@ -94,16 +105,18 @@ struct TopK {
         int cand_pos[CAND_CAP];
         uint32_t tie_key[CAND_CAP];  // the inverted columns of the candidates level with the threshold
       } select;
+      typename SortByRel::TempStorage by_rel;
       typename SortByScore::TempStorage by_score;
       typename SortByColumn::TempStorage by_column;
     };
-    uint32_t sel_key[MAX_TOPK];
+    uint32_t sel_key[MAX_TOPK];  // after the relative-key sort: its keys and columns, by rank
     int sel_pos[MAX_TOPK];
     uint32_t buf_key[BUF_CAP];  // one-pass rows: the unsampled tiles' scores at or above the floor
     int buf_pos[BUF_CAP];
     ulonglong2 warp_sums[WARPS];
     int digit, above, level_count, need;  // the last pick_digit
     int num_sel, num_cand, num_ties, num_buf;  // list lengths appended to by atomics
+    uint32_t key_min, key_max;  // the selection's lowest and highest keys
   };
 
   static_assert(sizeof(Shared) <= 113 * 1024, "two CTAs per SM need at most 113 KB of shared memory each");
@@ -453,32 +466,106 @@ struct TopK {
     const int n = num_sel + num_cand;
     const int column_bits = 32 - __clz(max(width - 1, 1));  // every column fits
     const uint32_t last_column = static_cast<uint32_t>((uint64_t{1} << column_bits) - 1);
-    uint64_t item[SORT_ITEMS];
+    if (threadIdx.x == 0) { s.key_min = ~0u; s.key_max = 0; }
+    uint32_t key[SORT_ITEMS], pos[SORT_ITEMS];
+    uint32_t key_min = ~0u, key_max = 0;
 #pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = SORT_ITEMS * threadIdx.x + i;
-      const uint32_t key = r < num_sel ? s.sel_key[r] : r < n ? s.select.cand_key[r - num_sel] : 0u;
-      const uint32_t pos = r < num_sel ? s.sel_pos[r] : r < n ? s.select.cand_pos[r - num_sel] : last_column;
-      // score order: key, then the inverted column (the lower column first); padding (key 0) last
-      item[i] = sorted ? (static_cast<uint64_t>(key) << column_bits) | (last_column - pos) : pos;
+      key[i] = r < num_sel ? s.sel_key[r] : r < n ? s.select.cand_key[r - num_sel] : 0u;
+      pos[i] = r < num_sel ? s.sel_pos[r] : r < n ? s.select.cand_pos[r - num_sel] : last_column;
+      if (r < n) { key_min = min(key_min, key[i]); key_max = max(key_max, key[i]); }
     }
-    __syncthreads();  // the sorts' storage overlays the candidates
+    __syncthreads();  // the sorts' storage overlays the candidates; s.key_min, s.key_max are set
     if (sorted) {
+      write_by_score(key, pos, key_min, key_max, n, topk, column_bits, last_column, out, s);
+      return;
+    }
+    SortByColumn(s.by_column).Sort(pos, 0, column_bits);  // padding (every bit set) last
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      const int r = SORT_ITEMS * threadIdx.x + i;
+      if (r < topk) out[r] = r < n ? static_cast<int>(pos[i]) : -1;
+    }
+  }
+
+  // write_selection's score order for this thread's entries (key 0: padding) and its lowest and
+  // highest keys: the keys relative to the selection's lowest (key - lowest + 1, padding 0: last)
+  // are sorted with their columns, then each run of equal keys is put in column order.
+  static __device__ void write_by_score(const uint32_t (&key)[SORT_ITEMS], const uint32_t (&pos)[SORT_ITEMS],
+                                        uint32_t key_min, uint32_t key_max, int n, int topk, int column_bits,
+                                        uint32_t last_column, int* out, Shared& s) {
+    key_min = __reduce_min_sync(0xffffffffu, key_min);
+    key_max = __reduce_max_sync(0xffffffffu, key_max);
+    if ((threadIdx.x & 31) == 0) {
+      atomicMin(&s.key_min, key_min);
+      atomicMax(&s.key_max, key_max);
+    }
+    __syncthreads();
+    const uint32_t lowest = s.key_min, span = s.key_max - lowest + 1;  // below 2^32: finite keys span less
+    uint32_t rel[SORT_ITEMS];
+    int column[SORT_ITEMS];
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      rel[i] = key[i] != 0 ? key[i] - lowest + 1 : 0u;
+      column[i] = static_cast<int>(pos[i]);
+    }
+    // thread t ends up with ranks THREADS * i + t: neighbouring lanes read neighbouring words below
+    SortByRel(s.by_rel).SortDescendingBlockedToStriped(rel, column, 0, 32 - __clz(span));
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      s.sel_key[THREADS * i + threadIdx.x] = rel[i];  // the lists were read before the sort
+      s.sel_pos[THREADS * i + threadIdx.x] = column[i];
+    }
+    __syncthreads();
+    bool long_run = false;  // descending keys: a run longer than TIE_RUN_MAX holds some r and r + TIE_RUN_MAX
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      const int r = THREADS * i + threadIdx.x;
+      long_run |= r + TIE_RUN_MAX < n && s.sel_key[r + TIE_RUN_MAX] == rel[i];
+    }
+    if (__syncthreads_or(long_run)) {  // the by_rel storage is free
+      uint64_t item[SORT_ITEMS];
+#pragma unroll
+      for (int i = 0; i < SORT_ITEMS; ++i) {
+        // key, then the inverted column (the lower column first); padding 0, last
+        item[i] = rel[i] != 0 ? (static_cast<uint64_t>(rel[i] - 1 + lowest) << column_bits) |
+                                    (last_column - static_cast<uint32_t>(column[i]))
+                              : 0;
+      }
       SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
 #pragma unroll
-      for (int i = 0; i < SORT_ITEMS; ++i) item[i] = last_column - (item[i] & last_column);
-    } else {
-      uint32_t column[SORT_ITEMS];
-#pragma unroll
-      for (int i = 0; i < SORT_ITEMS; ++i) column[i] = static_cast<uint32_t>(item[i]);
-      SortByColumn(s.by_column).Sort(column, 0, column_bits);  // padding (every bit set) last
-#pragma unroll
-      for (int i = 0; i < SORT_ITEMS; ++i) item[i] = column[i];
+      for (int i = 0; i < SORT_ITEMS; ++i) {
+        const int r = SORT_ITEMS * threadIdx.x + i;
+        if (r < topk) out[r] = r < n ? static_cast<int>(last_column - (item[i] & last_column)) : -1;
+      }
+      return;
     }
 #pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
-      const int r = SORT_ITEMS * threadIdx.x + i;
-      if (r < topk) out[r] = r < n ? static_cast<int>(item[i]) : -1;
+      const int r = THREADS * i + threadIdx.x;
+      if (r >= n) {
+        if (r < topk) out[r] = -1;
+        continue;
+      }
+      int at = r;
+      if ((r > 0 && s.sel_key[r - 1] == rel[i]) || (r + 1 < n && s.sel_key[r + 1] == rel[i])) {
+        // the run [lo, hi) holding r, at most TIE_RUN_MAX long, by binary searches; then r's place
+        // in it: lo plus the run's entries of lower column (the columns are distinct)
+        int lo = max(r - TIE_RUN_MAX + 1, 0), top = r;
+        while (lo < top) {
+          const int m = (lo + top) / 2;
+          if (s.sel_key[m] == rel[i]) top = m; else lo = m + 1;
+        }
+        int hi = r + 1, bound = min(r + TIE_RUN_MAX, n);
+        while (hi < bound) {
+          const int m = (hi + bound) / 2;
+          if (s.sel_key[m] == rel[i]) hi = m + 1; else bound = m;
+        }
+        at = lo;
+        for (int j = lo; j < hi; ++j) at += s.sel_pos[j] < column[i];
+      }
+      if (at < topk) out[at] = column[i];
     }
   }
 
