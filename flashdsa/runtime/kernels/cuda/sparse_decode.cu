@@ -11,24 +11,25 @@
 //    those tokens (16-byte loads, KEYS_IN_FLIGHT = 8 tokens per warp in flight), dequantizes the
 //    latent to bf16 with its tile scale and writes the 576-wide bf16 key rows into one of two
 //    shared-memory stages (zeros and a -inf score bias for invalid ids);
-//  - two consumer warpgroups (8 warps): warp (r, c) owns heads 16r..16r+15; it computes the
-//    scores of keys 32c..32c+31 (Q K^T over 576 columns), exchanges row maxima with its partner
-//    warp (r, 1-c) through shared memory, writes its probabilities P (bf16) to shared memory and
-//    accumulates P V over all 64 keys for value columns 256c..256c+255 (16 x 256 fp32 in
-//    registers). Tensor cores through CuTe's SM80 atoms: ldmatrix + mma.sync m16n8k16 bf16 ->
-//    fp32. Online softmax in base 2 in registers.
+//  - two consumer warpgroups (8 warps) on wgmma: warpgroup c computes the scores of all 64 heads
+//    against keys 32c..32c+31 (S = Q K^T over 576 columns, m64n32k16, both operands in shared
+//    memory), exchanges row maxima with the other warpgroup through shared memory, writes its
+//    probabilities P (bf16) to shared memory and accumulates P V for value columns
+//    256c..256c+255 over all 64 keys (m64n256k16, V read in place from the key rows, MN-major;
+//    64 x 256 fp32 in registers). Online softmax in base 2 in registers.
 // Stages are handed over with named barriers (FULL: producer -> consumers, EMPTY: back).
-// Shared rows are 16-byte chunks XOR-swizzled by (row & 7), so ldmatrix reads of 8 rows hit 8
-// different bank groups. With splits > 1 each CTA writes an fp32 partial (out, lse) and
+// Q, the key rows and P sit in shared memory in wgmma's 128-byte-swizzle layout: 64-column blocks
+// of 128-byte rows, the 16-byte chunks of a row XOR-swizzled by (row & 7), every block 1024-byte
+// aligned. Writes to them are fenced to the async proxy before the barrier that hands them over. With splits > 1 each CTA writes an fp32 partial (out, lse) and
 // combine_kernel merges the splits of a (row, head).
 
 #include <cstdint>
+#include <utility>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
-#include <cute/arch/copy_sm75.hpp>
-#include <cute/arch/mma_sm80.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "sparse_decode.h"
@@ -61,20 +62,22 @@ constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16
 constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
 constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
 constexpr int ROPE_KEYS_PER_LOAD = 32 / ROPE_CHUNKS;   // one warp-wide load takes 4 tokens' RoPE
-constexpr int ROW_BYTES = D_QK * 2; // a bf16 row of Q or K in shared memory: 72 chunks of 16 B
-constexpr int P_ROW_BYTES = KEYS * 2;
-constexpr int ROW_GROUPS = 4;       // consumer warps along the heads (16 rows each)
-constexpr int COL_GROUPS = 2;       // consumer warps along the keys (scores) and d_v (output)
-constexpr int KEYS_PER_WARP = KEYS / COL_GROUPS;   // 32: 4 MMA n-tiles of scores
-constexpr int V_COLS_PER_WARP = D_V / COL_GROUPS;  // 256: 32 MMA n-tiles of output
-constexpr int S_TILES = KEYS_PER_WARP / 8;
+constexpr int BLOCK_COLS = 64;      // bf16 columns of one 128-byte swizzle row
+constexpr int BLOCK_BYTES = HEADS * BLOCK_COLS * 2;  // one column block of Q, a key tile or P: 8 KB
+static_assert(HEADS == KEYS, "Q, key tiles and P share one column-block size");
+constexpr int ROW_GROUPS = 4;       // consumer warps along the heads (16 rows each): a warpgroup's wgmma rows
+constexpr int COL_GROUPS = 2;       // consumer warpgroups along the keys (scores) and d_v (output)
+constexpr int KEYS_PER_WARP = KEYS / COL_GROUPS;   // 32: the scores' wgmma N
+constexpr int V_COLS_PER_WARP = D_V / COL_GROUPS;  // 256: the output's wgmma N
+constexpr int S_TILES = KEYS_PER_WARP / 8;         // accumulator fragments of 8 columns (4 floats each)
 constexpr int O_TILES = V_COLS_PER_WARP / 8;
 constexpr int COMBINE_THREADS = D_V / 4;
 constexpr float LN2 = 0.6931471805599453f;
 
 static_assert(ROW_GROUPS * 16 == HEADS && ROW_GROUPS * COL_GROUPS == CONSUMER_WARPS, "consumer warp grid");
-static_assert(KEYS_PER_WARP % 16 == 0 && V_COLS_PER_WARP % 16 == 0 && D_QK % 16 == 0 && KEYS % 16 == 0,
-              "MMA tiles: m16n8k16 with B loaded two n-tiles at a time");
+static_assert(KEYS_PER_WARP == 32 && V_COLS_PER_WARP == 256 && D_QK % BLOCK_COLS == 0 && KEYS % 16 == 0 &&
+                  V_COLS_PER_WARP % BLOCK_COLS == 0,
+              "wgmma shapes: m64n32k16 scores, m64n256k16 output over whole column blocks");
 static_assert(KEYS_PER_PRODUCER_WARP <= 16 && KEYS_PER_PRODUCER_WARP % KEYS_IN_FLIGHT == 0,
               "a producer warp's slot ids sit in lanes 0..15, taken KEYS_IN_FLIGHT at a time");
 static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0 &&
@@ -83,20 +86,18 @@ static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0
               "RoPE chunk of every ROPE_KEYS_PER_LOAD tokens");
 static_assert(TOKEN_BYTES % 16 == 0 && ROPE_OFFSET % 16 == 0 && SCALE_OFFSET % 4 == 0,
               "tokens are gathered with 16-byte loads");
-static_assert((ROW_BYTES / 16) % 8 == 0 && (P_ROW_BYTES / 16) % 8 == 0,
-              "the chunk swizzle permutes aligned groups of 8 chunks inside one row");
 static_assert(D_V % (4 * COMBINE_THREADS) == 0 || D_V == 4 * COMBINE_THREADS, "combine: 4 columns per thread");
 static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 &&
                   PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0,
               "setmaxnreg budget");
 
 struct Shared {
-  alignas(128) uint8_t q[HEADS * ROW_BYTES];         // the CTA's 64 query rows, bf16
-  alignas(128) uint8_t k[STAGES][KEYS * ROW_BYTES];  // dequantized keys; the first 512 columns are V
-  alignas(128) uint8_t p[HEADS * P_ROW_BYTES];       // probabilities of the current tile, bf16
-  float bias[STAGES][KEYS];                          // 0 for a valid slot id, -inf otherwise
-  float row_max[COL_GROUPS][HEADS];                  // each column group's tile maxima
-  float row_sum[COL_GROUPS][HEADS];                  // each column group's sums, at the end
+  alignas(1024) uint8_t q[D_QK / BLOCK_COLS][BLOCK_BYTES];          // the CTA's 64 query rows, bf16
+  alignas(1024) uint8_t k[STAGES][D_QK / BLOCK_COLS][BLOCK_BYTES];  // dequantized keys; columns < 512 are V
+  alignas(1024) uint8_t p[BLOCK_BYTES];                             // probabilities of the current tile, bf16
+  float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
+  float row_max[COL_GROUPS][HEADS];                                 // each warpgroup's tile maxima
+  float row_sum[COL_GROUPS][HEADS];                                 // each warpgroup's sums, at the end
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 
@@ -114,44 +115,45 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled shared buffer.
-__device__ __forceinline__ int swizzle(int row, int chunk, int row_bytes) {
-  return row * row_bytes + ((chunk ^ (row & 7)) << 4);
+// Makes this thread's shared-memory stores visible to wgmma (the async proxy); the barrier after
+// it hands them over.
+__device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Byte offset of 16-byte chunk `chunk` (8 bf16 columns) of row `row` (of 64) in a buffer of column
+// blocks: block chunk / 8 holds 64 rows of 128 bytes, their chunks XOR-swizzled by (row & 7).
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  return (chunk >> 3) * BLOCK_BYTES + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
-__device__ __forceinline__ void ldsm_x4(const uint8_t* at, uint32_t (&r)[4]) {
-  cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(at), r[0], r[1], r[2], r[3]);
+// wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (K-major operands: stride = 1024 between 8-row groups, leading unused; MN-major: leading
+// = the stride between 64-column blocks, stride = 1024 between 8-row groups along K).
+__device__ __forceinline__ uint64_t sw128_desc(const void* start, uint32_t leading, uint32_t stride) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(start));
+  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | static_cast<uint64_t>(leading >> 4) << 16 |
+         static_cast<uint64_t>(stride >> 4) << 32 | uint64_t{1} << 62;
 }
 
-__device__ __forceinline__ void ldsm_x4_trans(const uint8_t* at, uint32_t (&r)[4]) {
-  cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(at), r[0], r[1], r[2], r[3]);
+using ScoreMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+using OutputMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+
+// d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
+template <typename Mma, int N, size_t... I>
+__device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&d)[N][4], std::index_sequence<I...>) {
+  Mma::fma(a, b, d[I / 4][I % 4]...);
 }
 
-// d += a b for one m16n8k16 tile (a: 16x16 bf16 row-major fragment, b: 16x8 col-major).
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
-                                             d[2], d[3]);
+template <typename Mma, int N>
+__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float (&d)[N][4]) {
+  wgmma_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
 }
 
-// acc[n] += A B_n over one k-step of 16 for the n-tiles n = 0..N-1 of a warp's 16 rows. a_at is
-// this lane's ldmatrix row address in the row-major A tile; b_at(jj) its row address for n-tiles
-// 2jj and 2jj + 1 of B, stored [n][k] (keys for Q K^T) or, with TRANS_B, [k][n] (V for P V).
-template <bool TRANS_B, int N, typename BAt>
-__device__ __forceinline__ void warp_mma(float (&acc)[N][4], const uint8_t* a_at, BAt b_at) {
-  static_assert(N % 2 == 0, "B is loaded two n-tiles at a time");
-  uint32_t a[4];
-  ldsm_x4(a_at, a);
+template <int N>
+__device__ __forceinline__ void fence_fragments(float (&d)[N][4]) {
 #pragma unroll
-  for (int jj = 0; jj < N / 2; ++jj) {
-    uint32_t b[4];
-    if constexpr (TRANS_B) {
-      ldsm_x4_trans(b_at(jj), b);
-    } else {
-      ldsm_x4(b_at(jj), b);
-    }
-    mma(acc[2 * jj], a, b[0], b[1]);
-    mma(acc[2 * jj + 1], a, b[2], b[3]);
-  }
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(d[n][e]);
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -223,7 +225,7 @@ __device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     const bool valid = slot >= 0 && slot < a.num_slots;
     if (lane < KEYS_PER_PRODUCER_WARP) s.bias[stage][first + lane] = valid ? 0.0f : -INFINITY;
     const int my_slot = valid ? slot : -1;
-    uint8_t* rows = s.k[stage];
+    uint8_t* rows = s.k[stage][0];
 #pragma unroll 1
     for (int j0 = 0; j0 < KEYS_PER_PRODUCER_WARP; j0 += KEYS_IN_FLIGHT) {
       uint4 latent[KEYS_IN_FLIGHT], rope[KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD];
@@ -253,32 +255,35 @@ __device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s) {
         const int key = first + j0 + j;
         uint4 lo, hi;
         dequant_chunk(latent[j], scale[j], lo, hi);
-        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane, ROW_BYTES)) = lo;
-        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane + 1, ROW_BYTES)) = hi;
+        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane)) = lo;
+        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane + 1)) = hi;
       }
 #pragma unroll
       for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {
         const int key = first + j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS;
-        *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane % ROPE_CHUNKS, ROW_BYTES)) = rope[i];
+        *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane % ROPE_CHUNKS)) = rope[i];
       }
     }
+    fence_to_wgmma();
     bar_arrive(BAR_FULL + stage, THREADS);
   }
 }
 
-// Consumer warp (r, c): heads 16r..16r+15; score keys 32c..32c+31; value columns 256c..256c+255.
+// Consumer warp r of warpgroup c: its wgmma accumulator rows are heads 16r..16r+15; the warpgroup
+// scores keys 32c..32c+31 and accumulates value columns 256c..256c+255.
 __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
   const int tid = threadIdx.x - PRODUCER_THREADS;
   const int lane = tid & 31, warp = tid >> 5;
   const int r = warp % ROW_GROUPS, c = warp / ROW_GROUPS;
-  const int g = lane >> 2, t4 = lane & 3;  // MMA fragment: rows g and g + 8, columns 2 * t4 (+1)
+  const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
 
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * D_QK;
   for (int i = tid; i < HEADS * D_QK / 8; i += CONSUMER_THREADS) {
     const int head = i / (D_QK / 8), chunk = i % (D_QK / 8);
-    *reinterpret_cast<uint4*>(s.q + swizzle(head, chunk, ROW_BYTES)) =
+    *reinterpret_cast<uint4*>(s.q[0] + swizzle(head, chunk)) =
         *reinterpret_cast<const uint4*>(q + static_cast<int64_t>(head) * D_QK + chunk * 8);
   }
+  fence_to_wgmma();
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 
   float acc[O_TILES][4];
@@ -287,27 +292,35 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
   float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
   float l[2] = {0.0f, 0.0f};            // this warp's share of the running sums
 
-  // Per-lane ldmatrix rows: A operands (Q, P) rows 16r + (lane & 15); B operands as below.
-  const int a_row = 16 * r + (lane & 15), a_chunk = lane >> 4;
-  const int k_key = KEYS_PER_WARP * c + (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
-  const int v_key = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = (V_COLS_PER_WARP / 8) * c + (lane >> 4);
+  // Descriptor bases: Q; warpgroup c's 32 keys of a tile (K-major); its 256 value columns (the
+  // tile's column blocks 4c.., MN-major along d, K along the keys); P (K-major).
+  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024);
+  const uint64_t p_desc = sw128_desc(s.p, 16, 1024);
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    const uint8_t* keys = s.k[stage];
+    const uint64_t k_desc = sw128_desc(s.k[stage][0] + KEYS_PER_WARP * c * 128, 16, 1024);
+    const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS * c], BLOCK_BYTES, 1024);
     bar_sync(BAR_FULL + stage, THREADS);
 
-    // Scores of heads 16r.. x keys 32c..: S = Q K^T over all 576 columns.
+    // Scores of the 64 heads x keys 32c..: S = Q K^T over all 576 columns, 16 at a time (a column
+    // block is 4 steps of 32 bytes; descriptors count 16-byte units).
     float sc[S_TILES][4];
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
-#pragma unroll 4
+    fence_fragments(sc);
+    cute::warpgroup_arrive();
+#pragma unroll
     for (int kk = 0; kk < D_QK / 16; ++kk) {
-      warp_mma<false>(sc, s.q + swizzle(a_row, 2 * kk + a_chunk, ROW_BYTES),
-                      [&](int jj) { return keys + swizzle(k_key + 16 * jj, 2 * kk + k_chunk, ROW_BYTES); });
+      const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
+      wgmma<ScoreMma>(q_desc + step, k_desc + step, sc);
     }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_fragments(sc);
 
-    // Scale to base 2, mask invalid keys, and agree on the tile's row maxima with the partner warp.
+    // Scale to base 2, mask invalid keys, and agree on the tile's row maxima with the other
+    // warpgroup.
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
@@ -342,9 +355,9 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
       }
       // P (bf16) for rows g, g + 8 and keys 32c + 8j + 2t4 (+1): 4 bytes into 16-byte chunk 4c + j.
       const int chunk = (KEYS_PER_WARP / 8) * c + j;
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, chunk, P_ROW_BYTES) + 4 * t4) =
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, chunk) + 4 * t4) =
           pack_bf16(sc[j][0], sc[j][1]);
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, chunk, P_ROW_BYTES) + 4 * t4) =
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, chunk) + 4 * t4) =
           pack_bf16(sc[j][2], sc[j][3]);
     }
 #pragma unroll
@@ -356,14 +369,18 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
       acc[n][2] *= alpha[1];
       acc[n][3] *= alpha[1];
     }
+    fence_to_wgmma();
     bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // both halves of P are written
 
-    // O += P V: heads 16r.. x value columns 256c.. over the tile's 64 keys.
+    // O += P V: 64 heads x value columns 256c.. over the tile's 64 keys, 16 keys (2048 bytes of
+    // V rows, 32 bytes of P rows) a step.
+    fence_fragments(acc);
+    cute::warpgroup_arrive();
 #pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ++ks) {
-      warp_mma<true>(acc, s.p + swizzle(a_row, 2 * ks + a_chunk, P_ROW_BYTES),
-                     [&](int jj) { return keys + swizzle(16 * ks + v_key, v_chunk + 2 * jj, ROW_BYTES); });
-    }
+    for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<OutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_fragments(acc);
     if (t + STAGES < w.tiles) bar_arrive(BAR_EMPTY + stage, THREADS);
   }
 
