@@ -218,10 +218,11 @@ def test_the_raw_op_refuses_bad_arguments_with_their_names():
 
 
 @pytest.mark.gpu
-def test_automatic_selection_keeps_triton_until_cuda_is_measured_faster(monkeypatch):
+def test_automatic_selection_picks_cuda_where_it_serves_and_triton_elsewhere(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    assert dispatch.choose("sparse_mla_decode", cuda, dtype=torch.bfloat16, h_q=128, d_qk=576, d_v=512,
-                           topk=2048) == "triton"
+    facts = dict(dtype=torch.bfloat16, h_q=128, d_qk=576, d_v=512, topk=2048)
+    assert dispatch.choose("sparse_mla_decode", cuda, **facts) == "cuda"
+    assert dispatch.choose("sparse_mla_decode", cuda, **facts | dict(h_q=32)) == "triton"
 
 
 def run_memcheck_case() -> None:

@@ -10,8 +10,8 @@ occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
 ``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
 backward a multiple of 64), ``cuda`` (decode only, SM90: bf16, h_q 64 or 128, d_v 512, topk up to
-16384; it declines automatic selection until it is measured faster than ``triton``, so it runs
-only when forced by ``FLASHDSA_BACKEND=cuda`` or ``backend="cuda"``).
+16384; measured faster than ``triton`` at every benchmark shape, so automatic selection picks it
+for decode and for the model's prefill over the FP8 cache).
 
 DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
 MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
@@ -59,17 +59,13 @@ def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: in
 
 
 def _cuda_decode_supports(dtype: torch.dtype, h_q: int, d_v: int, topk: int, **_) -> Optional[str]:
-    """Why the native decode cannot serve these shapes, or ``Declined`` while Triton is the faster
-    choice (it has not been measured faster yet); None when it should run."""
+    """Why the native decode cannot serve these shapes, or None when it can (it is the faster choice)."""
     if dtype != torch.bfloat16:
         return f"cuda sparse decode takes bf16 queries, got {dtype}"
     if h_q not in CUDA_DECODE_HEADS or d_v != TRITON_D_V or topk > CUDA_DECODE_MAX_TOPK:
         return (f"cuda sparse decode needs h_q in {CUDA_DECODE_HEADS}, d_v == {TRITON_D_V} and topk <= "
                 f"{CUDA_DECODE_MAX_TOPK}, got h_q={h_q}, d_v={d_v}, topk={topk}")
-    reason = native.unavailable()
-    if reason is not None:
-        return reason
-    return dispatch.Declined("cuda sparse decode is not measured faster than triton yet")
+    return native.unavailable()
 
 
 for _op, _module in (("sparse_mla_fwd", "sparse_fwd"), ("sparse_mla_bwd", "sparse_bwd")):
