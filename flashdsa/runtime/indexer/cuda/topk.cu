@@ -522,16 +522,18 @@ struct TopK {
 #pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = THREADS * i + threadIdx.x;
-      long_run |= r + TIE_RUN_MAX < n && s.sel_key[r + TIE_RUN_MAX] == rel[i];
+      long_run |= r + TIE_RUN_MAX < n && s.sel_key[r + TIE_RUN_MAX] == s.sel_key[r];
     }
     if (__syncthreads_or(long_run)) {  // the by_rel storage is free
       uint64_t item[SORT_ITEMS];
 #pragma unroll
       for (int i = 0; i < SORT_ITEMS; ++i) {
         // key, then the inverted column (the lower column first); padding 0, last
-        item[i] = rel[i] != 0 ? (static_cast<uint64_t>(rel[i] - 1 + lowest) << column_bits) |
-                                    (last_column - static_cast<uint32_t>(column[i]))
-                              : 0;
+        const int r = THREADS * i + threadIdx.x;
+        const uint32_t key = s.sel_key[r];
+        item[i] = key != 0 ? (static_cast<uint64_t>(key - 1 + lowest) << column_bits) |
+                                 (last_column - static_cast<uint32_t>(s.sel_pos[r]))
+                           : 0;
       }
       SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
 #pragma unroll
@@ -548,24 +550,26 @@ struct TopK {
         if (r < topk) out[r] = -1;
         continue;
       }
+      const uint32_t key = s.sel_key[r];  // read back: registers are scarce at 4 entries a thread
+      const int column = s.sel_pos[r];
       int at = r;
-      if ((r > 0 && s.sel_key[r - 1] == rel[i]) || (r + 1 < n && s.sel_key[r + 1] == rel[i])) {
+      if ((r > 0 && s.sel_key[r - 1] == key) || (r + 1 < n && s.sel_key[r + 1] == key)) {
         // the run [lo, hi) holding r, at most TIE_RUN_MAX long, by binary searches; then r's place
         // in it: lo plus the run's entries of lower column (the columns are distinct)
         int lo = max(r - TIE_RUN_MAX + 1, 0), top = r;
         while (lo < top) {
           const int m = (lo + top) / 2;
-          if (s.sel_key[m] == rel[i]) top = m; else lo = m + 1;
+          if (s.sel_key[m] == key) top = m; else lo = m + 1;
         }
         int hi = r + 1, bound = min(r + TIE_RUN_MAX, n);
         while (hi < bound) {
           const int m = (hi + bound) / 2;
-          if (s.sel_key[m] == rel[i]) hi = m + 1; else bound = m;
+          if (s.sel_key[m] == key) hi = m + 1; else bound = m;
         }
         at = lo;
-        for (int j = lo; j < hi; ++j) at += s.sel_pos[j] < column[i];
+        for (int j = lo; j < hi; ++j) at += s.sel_pos[j] < column;
       }
-      if (at < topk) out[at] = column[i];
+      if (at < topk) out[at] = column;
     }
   }
 
