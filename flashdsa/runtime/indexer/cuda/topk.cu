@@ -489,6 +489,29 @@ struct TopK {
     }
   }
 
+  // write_by_score's fallback for rows with a run of equal keys longer than TIE_RUN_MAX: the
+  // relative keys and columns it left in sel_key / sel_pos, sorted by (key, inverted column)
+  // packed in 64 bits. Not inlined: inside write_by_score its registers spilled.
+  static __device__ __noinline__ void write_packed(int n, int topk, uint32_t lowest, int column_bits,
+                                                   uint32_t last_column, int* out, Shared& s) {
+    uint64_t item[SORT_ITEMS];
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      // key, then the inverted column (the lower column first); padding 0, last
+      const int r = THREADS * i + threadIdx.x;
+      const uint32_t key = s.sel_key[r];
+      item[i] = key != 0 ? (static_cast<uint64_t>(key - 1 + lowest) << column_bits) |
+                               (last_column - static_cast<uint32_t>(s.sel_pos[r]))
+                         : 0;
+    }
+    SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i) {
+      const int r = SORT_ITEMS * threadIdx.x + i;
+      if (r < topk) out[r] = r < n ? static_cast<int>(last_column - (item[i] & last_column)) : -1;
+    }
+  }
+
   // write_selection's score order for this thread's entries (key 0: padding) and its lowest and
   // highest keys: the keys relative to the selection's lowest (key - lowest + 1, padding 0: last)
   // are sorted with their columns, then each run of equal keys is put in column order.
@@ -525,25 +548,10 @@ struct TopK {
       long_run |= r + TIE_RUN_MAX < n && s.sel_key[r + TIE_RUN_MAX] == s.sel_key[r];
     }
     if (__syncthreads_or(long_run)) {  // the by_rel storage is free
-      uint64_t item[SORT_ITEMS];
-#pragma unroll
-      for (int i = 0; i < SORT_ITEMS; ++i) {
-        // key, then the inverted column (the lower column first); padding 0, last
-        const int r = THREADS * i + threadIdx.x;
-        const uint32_t key = s.sel_key[r];
-        item[i] = key != 0 ? (static_cast<uint64_t>(key - 1 + lowest) << column_bits) |
-                                 (last_column - static_cast<uint32_t>(s.sel_pos[r]))
-                           : 0;
-      }
-      SortByScore(s.by_score).SortDescending(item, 0, 32 + column_bits);
-#pragma unroll
-      for (int i = 0; i < SORT_ITEMS; ++i) {
-        const int r = SORT_ITEMS * threadIdx.x + i;
-        if (r < topk) out[r] = r < n ? static_cast<int>(last_column - (item[i] & last_column)) : -1;
-      }
+      write_packed(n, topk, lowest, column_bits, last_column, out, s);
       return;
     }
-#pragma unroll
+#pragma unroll 1  // reads shared memory only: one copy of the searches
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = THREADS * i + threadIdx.x;
       if (r >= n) {
