@@ -20,8 +20,9 @@
 // Stages are handed over with named barriers (FULL: producer -> consumers, EMPTY: back).
 // Q, the key rows and P sit in shared memory in wgmma's 128-byte-swizzle layout: 64-column blocks
 // of 128-byte rows, the 16-byte chunks of a row XOR-swizzled by (row & 7), every block 1024-byte
-// aligned. Writes to them are fenced to the async proxy before the barrier that hands them over. With splits > 1 each CTA writes an fp32 partial (out, lse) and
-// combine_kernel merges the splits of a (row, head).
+// aligned. Writes to them are fenced to the async proxy before the barrier that hands them over.
+// With splits > 1 each CTA writes an fp32 partial (out, lse) and combine_kernel merges the splits
+// of a (row, head).
 
 #include <cstdint>
 #include <utility>
@@ -134,8 +135,9 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* start, uint32_t leadi
          static_cast<uint64_t>(stride >> 4) << 32 | uint64_t{1} << 62;
 }
 
-using ScoreMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-using OutputMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+namespace gmma = cute::SM90::GMMA;
+using ScoreMma = gmma::MMA_64x32x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+using OutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 
 // d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
 template <typename Mma, int N, size_t... I>
