@@ -6,18 +6,24 @@
 // [0, num_slots) is invalid: never read, no contribution. A row without a valid id gets out = 0,
 // lse = +inf. Keys are dequantized to bf16(e4m3 * tile scale) as FlashMLA and the Triton kernel do.
 //
-// One CTA takes one query row, 64 heads and one split of the top-k list, in tiles of 64 keys:
-//  - producer warpgroup (4 warps, few registers): per tile, each warp reads 16 slot ids, gathers
-//    those tokens (16-byte loads, KEYS_IN_FLIGHT = 8 tokens per warp in flight), dequantizes the
-//    latent to bf16 with its tile scale and writes the 576-wide bf16 key rows into one of two
-//    shared-memory stages (zeros and a -inf score bias for invalid ids);
+// One CTA takes one query row, 64 heads and one split of the top-k list, in tiles of 64 keys.
+// With h_q = 128 the two head blocks of a (row, split) run as a cluster of two CTAs that share
+// the gather: each gathers half of every tile, and once its half is in its own shared memory it
+// copies it into the peer's with the bulk copy engine (cp.async.bulk, whose bytes count on the
+// peer's FULL barrier). Each token is then read from memory and dequantized once, not twice.
+//  - producer warpgroup (4 warps, few registers): per tile, each warp gathers 16 tokens (8 in a
+//    pair) in batches of KEYS_IN_FLIGHT = 8 (16-byte loads; the next batch's loads are in flight
+//    while one is stored, the slot ids are read a tile ahead), dequantizes the latent to bf16 with
+//    its tile scale and writes the 576-wide bf16 key rows into one of two shared-memory stages
+//    (zeros and a -inf score bias for invalid ids);
 //  - two consumer warpgroups (8 warps) on wgmma: warpgroup c computes the scores of all 64 heads
 //    against keys 32c..32c+31 (S = Q K^T over 576 columns, m64n32k16, both operands in shared
 //    memory), exchanges row maxima with the other warpgroup through shared memory, writes its
 //    probabilities P (bf16) to shared memory and accumulates P V for value columns
 //    256c..256c+255 over all 64 keys (m64n256k16, V read in place from the key rows, MN-major;
 //    64 x 256 fp32 in registers). Online softmax in base 2 in registers.
-// Stages are handed over with named barriers (FULL: producer -> consumers, EMPTY: back).
+// Stages are handed over with mbarriers: FULL (the CTA's producers arrive, the peer's copy counts
+// its bytes) and EMPTY (every consumer warp of the pair arrives once its wgmma reads are done).
 // Q, the key rows and P sit in shared memory in wgmma's 128-byte-swizzle layout: 64-column blocks
 // of 128-byte rows, the 16-byte chunks of a row XOR-swizzled by (row & 7), every block 1024-byte
 // aligned. Writes to them are fenced to the async proxy before the barrier that hands them over.
@@ -31,6 +37,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/cluster_sm90.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "sparse_decode.h"
@@ -56,10 +64,9 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_THREADS = 32 * PRODUCER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
-constexpr int PRODUCER_REGS = 112;  // setmaxnreg: 128 * 112 + 256 * 184 <= 65536 (ptxas spills the
-                                    // producer at 96 with 8 tokens in flight)
-constexpr int CONSUMER_REGS = 184;
-constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16
+constexpr int PRODUCER_REGS = 152;  // setmaxnreg: 128 * 152 + 256 * 176 = 384 * 168, the launch's
+constexpr int CONSUMER_REGS = 176;  // (the producer holds two batches of tokens; ptxas spills it at 120..144)
+constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16: each warp's share of the scores' bias
 constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
 constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
 constexpr int ROPE_KEYS_PER_LOAD = 32 / ROPE_CHUNKS;   // one warp-wide load takes 4 tokens' RoPE
@@ -79,8 +86,6 @@ static_assert(ROW_GROUPS * 16 == HEADS && ROW_GROUPS * COL_GROUPS == CONSUMER_WA
 static_assert(KEYS_PER_WARP == 32 && V_COLS_PER_WARP == 256 && D_QK % BLOCK_COLS == 0 && KEYS % 16 == 0 &&
                   V_COLS_PER_WARP % BLOCK_COLS == 0,
               "wgmma shapes: m64n32k16 scores, m64n256k16 output over whole column blocks");
-static_assert(KEYS_PER_PRODUCER_WARP <= 16 && KEYS_PER_PRODUCER_WARP % KEYS_IN_FLIGHT == 0,
-              "a producer warp's slot ids sit in lanes 0..15, taken KEYS_IN_FLIGHT at a time");
 static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0 &&
                   KEYS_IN_FLIGHT % ROPE_KEYS_PER_LOAD == 0,
               "a producer lane takes 16 latent bytes (one chunk of one quantization tile) of each token and one "
@@ -99,21 +104,38 @@ struct Shared {
   float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
   float row_max[COL_GROUPS][HEADS];                                 // each warpgroup's tile maxima
   float row_sum[COL_GROUPS][HEADS];                                 // each warpgroup's sums, at the end
+  uint64_t full[STAGES];                                            // the stage's keys are in place
+  uint64_t empty[STAGES];                                           // the pair's consumers are done with it
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 
-// Named barriers (0 is __syncthreads', unused after the role split).
+// The consumers' named barrier (0 is __syncthreads', unused after the role split).
 constexpr int BAR_CONSUMERS = 1;
-constexpr int BAR_FULL = 2;   // + stage: the producers filled it
-constexpr int BAR_EMPTY = 4;  // + stage: the consumers are done with it
-static_assert(BAR_EMPTY + STAGES <= 16, "16 hardware named barriers");
+constexpr int BAR_PRODUCERS = 2;
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+// The address of `local` (this CTA's shared memory) in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_address(const void* local, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(out)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(local))), "r"(rank));
+  return out;
+}
+
+// Copies `bytes` of this CTA's shared memory at `local` to the same offset in CTA `rank` (the bulk
+// copy engine, async proxy: fence the source's generic stores first); they count as transaction
+// bytes on that CTA's copy of mbarrier `barrier`.
+__device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32_t bytes, const uint64_t* barrier) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   cluster_address(local, rank)),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(local))), "r"(bytes),
+               "r"(cluster_address(barrier, rank))
+               : "memory");
 }
 
 // Makes this thread's shared-memory stores visible to wgmma (the async proxy); the barrier after
@@ -214,66 +236,118 @@ __device__ __forceinline__ Work work_of(const SparseDecodeArgs& a) {
   return w;
 }
 
-// Producer warp `warp` (0..3): keys 16 * warp .. 16 * warp + 15 of every tile.
-__device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s) {
+// KEYS_IN_FLIGHT tokens of one producer warp, as loaded: lane l holds bytes 16l..16l+15 of each
+// token's latent (and that quantization tile's scale); lane group l / 8 holds one RoPE chunk of
+// every ROPE_KEYS_PER_LOAD-th token.
+struct Batch {
+  uint4 latent[KEYS_IN_FLIGHT];
+  float scale[KEYS_IN_FLIGHT];
+  uint4 rope[KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD];
+};
+
+// Issues the loads of tokens j0..j0 + KEYS_IN_FLIGHT - 1 of the warp, whose checked slot ids (-1:
+// invalid, read as zeros) sit in lanes 0.. of `slot`.
+__device__ __forceinline__ Batch load_batch(const SparseDecodeArgs& a, int slot, int j0, int lane) {
+  Batch b;
+#pragma unroll
+  for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {
+    const int key_slot = __shfl_sync(0xffffffffu, slot, j0 + j);
+    b.latent[j] = make_uint4(0, 0, 0, 0);
+    b.scale[j] = 0.0f;
+    if (key_slot >= 0) {  // warp-uniform; only valid slots are dereferenced
+      const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
+      b.latent[j] = __ldg(reinterpret_cast<const uint4*>(token) + lane);
+      b.scale[j] = __ldg(reinterpret_cast<const float*>(token + SCALE_OFFSET) + lane * 16 / QUANT_TILE);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {
+    const int key_slot = __shfl_sync(0xffffffffu, slot, j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS);
+    b.rope[i] = make_uint4(0, 0, 0, 0);
+    if (key_slot >= 0) {
+      const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
+      b.rope[i] = __ldg(reinterpret_cast<const uint4*>(token + ROPE_OFFSET) + lane % ROPE_CHUNKS);
+    }
+  }
+  return b;
+}
+
+// Dequantizes a batch into key rows first.. of a stage (576 bf16 columns, swizzled).
+__device__ __forceinline__ void store_batch(const Batch& b, uint8_t* rows, int first, int lane) {
+#pragma unroll
+  for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {
+    uint4 lo, hi;
+    dequant_chunk(b.latent[j], b.scale[j], lo, hi);
+    *reinterpret_cast<uint4*>(rows + swizzle(first + j, 2 * lane)) = lo;
+    *reinterpret_cast<uint4*>(rows + swizzle(first + j, 2 * lane + 1)) = hi;
+  }
+#pragma unroll
+  for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {
+    const int key = first + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS;
+    *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane % ROPE_CHUNKS)) = b.rope[i];
+  }
+}
+
+// Producer warp `warp` (0..3): the scores' bias of keys 16 * warp .. 16 * warp + 15 of every tile,
+// and the gather of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), in batches of
+// KEYS_IN_FLIGHT tokens. The loads of the next batch are in flight while a batch is stored (so the
+// first batch of a tile is on its way before its stage is free), and the slot ids are read a tile
+// ahead.
+template <int PAIR>
+__device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+  constexpr int per_warp = KEYS / PAIR / PRODUCER_WARPS;  // 16, or 8 in a pair
+  constexpr int batches = per_warp / KEYS_IN_FLIGHT;      // per tile
+  constexpr uint32_t peer_bytes = KEYS / PAIR * D_QK * 2;   // what the peer copies into each stage
+  static_assert(per_warp <= 16 && per_warp % KEYS_IN_FLIGHT == 0,
+                "a producer warp's slot ids sit in lanes 0..15, taken KEYS_IN_FLIGHT at a time");
+  if (w.tiles == 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first = warp * KEYS_PER_PRODUCER_WARP;
+  const int first = rank * (KEYS / PAIR) + warp * per_warp;
   const int32_t* ids = a.indices + w.row * a.topk;
+  const int bias_key = KEYS_PER_PRODUCER_WARP * warp + lane % 16, gather_key = first + lane % per_warp;
+  const auto read_id = [&](int t, int key) {  // raw: checked when used, a tile later
+    const int pos = w.start + t * KEYS + key;
+    return t < w.tiles && pos < w.end ? ids[pos] : -1;
+  };
+  const auto checked = [&](int slot) { return slot >= 0 && slot < a.num_slots ? slot : -1; };
+  int bias_slot = checked(read_id(0, bias_key)), slot = checked(read_id(0, gather_key));
+  int next_bias = read_id(1, bias_key), next_slot = read_id(1, gather_key);
+  Batch batch = load_batch(a, slot, 0, lane);
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    if (t >= STAGES) bar_sync(BAR_EMPTY + stage, THREADS);
-    const int pos = w.start + t * KEYS + first + (lane % KEYS_PER_PRODUCER_WARP);
-    const int slot = pos < w.end ? ids[pos] : -1;
-    const bool valid = slot >= 0 && slot < a.num_slots;
-    if (lane < KEYS_PER_PRODUCER_WARP) s.bias[stage][first + lane] = valid ? 0.0f : -INFINITY;
-    const int my_slot = valid ? slot : -1;
     uint8_t* rows = s.k[stage][0];
-#pragma unroll 1
-    for (int j0 = 0; j0 < KEYS_PER_PRODUCER_WARP; j0 += KEYS_IN_FLIGHT) {
-      uint4 latent[KEYS_IN_FLIGHT], rope[KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD];
-      float scale[KEYS_IN_FLIGHT];
+    if (t >= STAGES) Barrier::wait(&s.empty[stage], ((t / STAGES) & 1) ^ 1);
+    if (lane < 16) s.bias[stage][bias_key] = bias_slot >= 0 ? 0.0f : -INFINITY;
 #pragma unroll
-      for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {  // all loads first: KEYS_IN_FLIGHT tokens in flight
-        const int key_slot = __shfl_sync(0xffffffffu, my_slot, j0 + j);
-        latent[j] = make_uint4(0, 0, 0, 0);
-        scale[j] = 0.0f;
-        if (key_slot >= 0) {  // warp-uniform; only valid slots are dereferenced
-          const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
-          latent[j] = __ldg(reinterpret_cast<const uint4*>(token) + lane);
-          scale[j] = __ldg(reinterpret_cast<const float*>(token + SCALE_OFFSET) + lane * 16 / QUANT_TILE);
-        }
+    for (int i = 0; i < batches; ++i) {
+      Batch next;
+      if (i + 1 < batches) {
+        next = load_batch(a, slot, (i + 1) * KEYS_IN_FLIGHT, lane);
+      } else {  // the next tile's first batch
+        bias_slot = checked(next_bias);
+        slot = checked(next_slot);
+        next_bias = read_id(t + 2, bias_key);
+        next_slot = read_id(t + 2, gather_key);
+        next = load_batch(a, slot, 0, lane);  // all slots -1 past the last tile: no loads
       }
-#pragma unroll
-      for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {  // lane group lane / 8 takes one key's RoPE
-        const int key_slot = __shfl_sync(0xffffffffu, my_slot, j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS);
-        rope[i] = make_uint4(0, 0, 0, 0);
-        if (key_slot >= 0) {
-          const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
-          rope[i] = __ldg(reinterpret_cast<const uint4*>(token + ROPE_OFFSET) + lane % ROPE_CHUNKS);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {
-        const int key = first + j0 + j;
-        uint4 lo, hi;
-        dequant_chunk(latent[j], scale[j], lo, hi);
-        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane)) = lo;
-        *reinterpret_cast<uint4*>(rows + swizzle(key, 2 * lane + 1)) = hi;
-      }
-#pragma unroll
-      for (int i = 0; i < KEYS_IN_FLIGHT / ROPE_KEYS_PER_LOAD; ++i) {
-        const int key = first + j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS;
-        *reinterpret_cast<uint4*>(rows + swizzle(key, LATENT / 8 + lane % ROPE_CHUNKS)) = rope[i];
-      }
+      store_batch(batch, rows, first + i * KEYS_IN_FLIGHT, lane);
+      batch = next;
     }
     fence_to_wgmma();
-    bar_arrive(BAR_FULL + stage, THREADS);
+    if constexpr (PAIR > 1) {  // this CTA's half of the tile, row block by row block, to the peer
+      bar_sync(BAR_PRODUCERS, PRODUCER_THREADS);
+      if (threadIdx.x == 0) Barrier::expect_transaction(&s.full[stage], peer_bytes);
+      if (threadIdx.x < D_QK / BLOCK_COLS)
+        copy_to_peer(s.k[stage][threadIdx.x] + rank * (KEYS / PAIR) * 128, rank ^ 1, KEYS / PAIR * 128, &s.full[stage]);
+    }
+    Barrier::arrive(&s.full[stage]);
   }
 }
 
 // Consumer warp r of warpgroup c: its wgmma accumulator rows are heads 16r..16r+15; the warpgroup
 // scores keys 32c..32c+31 and accumulates value columns 256c..256c+255.
-__device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
+template <int PAIR>
+__device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
   const int tid = threadIdx.x - PRODUCER_THREADS;
   const int lane = tid & 31, warp = tid >> 5;
   const int r = warp % ROW_GROUPS, c = warp / ROW_GROUPS;
@@ -303,7 +377,7 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     const int stage = t % STAGES;
     const uint64_t k_desc = sw128_desc(s.k[stage][0] + KEYS_PER_WARP * c * 128, 16, 1024);
     const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS * c], BLOCK_BYTES, 1024);
-    bar_sync(BAR_FULL + stage, THREADS);
+    Barrier::wait(&s.full[stage], (t / STAGES) & 1);
 
     // Scores of the 64 heads x keys 32c..: S = Q K^T over all 576 columns, 16 at a time (a column
     // block is 4 steps of 32 bytes; descriptors count 16-byte units).
@@ -383,7 +457,13 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
-    if (t + STAGES < w.tiles) bar_arrive(BAR_EMPTY + stage, THREADS);
+    if (t + STAGES < w.tiles) {  // the producers of the pair wait for it before refilling the stage
+      __syncwarp();
+      if (lane == 0) {
+        Barrier::arrive(&s.empty[stage]);
+        if constexpr (PAIR > 1) Barrier::arrive(&s.empty[stage], rank ^ 1, 1);
+      }
+    }
   }
 
   // Row sums over both key halves, then out = acc / sum and lse = ln(sum) + max.
@@ -423,17 +503,30 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s) {
   }
 }
 
+// PAIR = 2: the CTAs of head blocks 2i and 2i + 1 form a cluster (launched with cluster dims 2).
+template <int PAIR>
 __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constant__ SparseDecodeArgs args) {
   extern __shared__ __align__(128) uint8_t smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const Work w = work_of(args);
+  const int rank = w.head_block % PAIR;
+  if (threadIdx.x == 0) {
+    for (int stage = 0; stage < STAGES; ++stage) {
+      Barrier::init(&s.full[stage], PRODUCER_THREADS);
+      Barrier::init(&s.empty[stage], CONSUMER_WARPS * PAIR);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (PAIR > 1) cute::cluster_sync();  // the peer's barriers exist before anything reaches them
+  else __syncthreads();
   if (threadIdx.x < PRODUCER_THREADS) {
     cutlass::arch::warpgroup_reg_dealloc<PRODUCER_REGS>();
-    produce(args, w, s);
+    produce<PAIR>(args, w, s, rank);
   } else {
     cutlass::arch::warpgroup_reg_alloc<CONSUMER_REGS>();
-    consume(args, w, s);
+    consume<PAIR>(args, w, s, rank);
   }
+  if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
 }
 
 // One CTA per (row, head): out = sum_s exp(lse_s - lse) out_s, lse = ln sum_s exp(lse_s).
@@ -482,10 +575,22 @@ const char* launch_sparse_decode(const SparseDecodeArgs& args, int device, void*
   if (err != cudaSuccess) return cudaGetErrorString(err);
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   const int bytes = sizeof(Shared);
-  err = cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  const bool pair = (args.h_q / HEADS) % 2 == 0;  // head blocks in pairs share the gather
+  const auto kernel = pair ? decode_kernel<2> : decode_kernel<1>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess) {
-    decode_kernel<<<static_cast<unsigned>(ctas), THREADS, bytes, cuda_stream>>>(args);
-    err = cudaGetLastError();
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = pair ? 2 : 1;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(ctas));
+    config.blockDim = dim3(THREADS);
+    config.dynamicSmemBytes = bytes;
+    config.stream = cuda_stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, kernel, args);
   }
   if (err == cudaSuccess && args.splits > 1) {
     combine_kernel<<<static_cast<unsigned>(args.rows * args.h_q), COMBINE_THREADS, 0, cuda_stream>>>(args);
