@@ -109,6 +109,8 @@ struct Shared {
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 
+constexpr int kPairMinTiles = 4;  // a split of fewer tiles runs h_q 128's head blocks apart
+
 // The consumers' named barrier (0 is __syncthreads', unused after the role split).
 constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
@@ -438,12 +440,14 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s, int
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // most tiles keep the maxima
 #pragma unroll
-    for (int n = 0; n < O_TILES; ++n) {
-      acc[n][0] *= alpha[0];
-      acc[n][1] *= alpha[0];
-      acc[n][2] *= alpha[1];
-      acc[n][3] *= alpha[1];
+      for (int n = 0; n < O_TILES; ++n) {
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
+      }
     }
     fence_to_wgmma();
     bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // both halves of P are written
@@ -575,7 +579,9 @@ const char* launch_sparse_decode(const SparseDecodeArgs& args, int device, void*
   if (err != cudaSuccess) return cudaGetErrorString(err);
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   const int bytes = sizeof(Shared);
-  const bool pair = (args.h_q / HEADS) % 2 == 0;  // head blocks in pairs share the gather
+  // Head blocks in pairs share the gather, where a split is long enough to repay the cluster's
+  // extra latency (a bulk copy and a producer barrier per tile).
+  const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= kPairMinTiles * KEYS;
   const auto kernel = pair ? decode_kernel<2> : decode_kernel<1>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess) {
