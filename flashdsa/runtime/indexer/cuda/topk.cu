@@ -41,10 +41,11 @@
 // order, which it returns for unsorted calls too.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <cub/block/block_radix_sort.cuh>
+
+#include "shared_memory_opt_in.cuh"
 
 namespace flashdsa {
 namespace {
@@ -645,20 +646,13 @@ topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const i
   TopK<THREADS>::run(logits, stride, width, starts, ends, topk, sorted, out, out_stride);
 }
 
-// Launches TopK<THREADS> over the rows of `device`; returns the CUDA error. The shared-memory
-// opt-in is made once a device (a driver call each launch costs microseconds of host time).
+// Launches TopK<THREADS> over the rows of `device`; returns the CUDA error.
 template <int THREADS>
 cudaError_t launch(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts, const int* ends,
                    int64_t topk, bool sorted, int* out, int64_t out_stride, int device, cudaStream_t stream) {
-  static std::atomic<uint64_t> opted_in{0};  // bit d: device d
   const int bytes = sizeof(typename TopK<THREADS>::Shared);
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(topk_kernel<THREADS>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    opted_in.fetch_or(bit, std::memory_order_relaxed);
-  }
+  const cudaError_t err = opt_in_shared_memory<topk_kernel<THREADS>>(bytes, device);
+  if (err != cudaSuccess) return err;
   topk_kernel<THREADS><<<static_cast<unsigned>(rows), THREADS, bytes, stream>>>(
       logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
   return cudaGetLastError();

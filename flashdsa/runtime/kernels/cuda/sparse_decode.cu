@@ -41,6 +41,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "shared_memory_opt_in.cuh"
 #include "sparse_decode.h"
 
 namespace flashdsa {
@@ -109,9 +110,10 @@ struct Shared {
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 
-constexpr int kPairMinTiles = 4;  // a split of fewer tiles runs h_q 128's head blocks apart
+constexpr int PAIR_MIN_TILES = 4;  // a split of fewer tiles runs h_q 128's head blocks apart
 
-// The consumers' named barrier (0 is __syncthreads', unused after the role split).
+// Named barriers of the consumers and of the producers (0 is __syncthreads', unused after the role
+// split).
 constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -141,7 +143,8 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
 }
 
 // Makes this thread's shared-memory stores visible to wgmma (the async proxy); the barrier after
-// it hands them over.
+// it hands them over. (CUTLASS's fence_view_async_shared has no memory clobber, so the compiler
+// could move the stores past it.)
 __device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Byte offset of 16-byte chunk `chunk` (8 bf16 columns) of row `row` (of 64) in a buffer of column
@@ -581,9 +584,10 @@ const char* launch_sparse_decode(const SparseDecodeArgs& args, int device, void*
   const int bytes = sizeof(Shared);
   // Head blocks in pairs share the gather, where a split is long enough to repay the cluster's
   // extra latency (a bulk copy and a producer barrier per tile).
-  const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= kPairMinTiles * KEYS;
+  const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
   const auto kernel = pair ? decode_kernel<2> : decode_kernel<1>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  err = pair ? opt_in_shared_memory<decode_kernel<2>>(bytes, device)
+             : opt_in_shared_memory<decode_kernel<1>>(bytes, device);
   if (err == cudaSuccess) {
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
