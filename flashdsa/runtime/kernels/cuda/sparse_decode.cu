@@ -16,14 +16,16 @@
 //    while one is stored, the slot ids are read a tile ahead), dequantizes the latent to bf16 with
 //    its tile scale and writes the 576-wide bf16 key rows into one of two shared-memory stages
 //    (zeros and a -inf score bias for invalid ids);
-//  - two consumer warpgroups (8 warps) on wgmma: warpgroup c computes the scores of all 64 heads
-//    against keys 32c..32c+31 (S = Q K^T over 576 columns, m64n32k16, both operands in shared
-//    memory), exchanges row maxima with the other warpgroup through shared memory, writes its
-//    probabilities P (bf16) to shared memory and accumulates P V for value columns
-//    256c..256c+255 over all 64 keys (m64n256k16, V read in place from the key rows, MN-major;
-//    64 x 256 fp32 in registers). Online softmax in base 2 in registers.
+//  - two consumer warpgroups on wgmma, split as FlashMLA's: warpgroup 0 scores all 64 heads against
+//    the tile's 64 keys (S = Q K^T over 576 columns, m64n64k16, both operands in shared memory, so
+//    Q is read once a tile), runs the online softmax (base 2, in registers), writes P (bf16) and
+//    the rows' rescale factors to shared memory for warpgroup 1, and accumulates P V for value
+//    columns 0..255 with P from registers (m64n256k16, RS); warpgroup 1 accumulates P V for value
+//    columns 256..511 with P from shared memory while warpgroup 0 scores the next tile. V is read
+//    in place from the key rows (MN-major); each warpgroup holds 64 x 256 fp32 of O in registers.
 // Stages are handed over with mbarriers: FULL (the CTA's producers arrive, the peer's copy counts
-// its bytes) and EMPTY (every consumer warp of the pair arrives once its wgmma reads are done).
+// its bytes) and EMPTY (every consumer warp of the pair arrives once its wgmma reads are done); P
+// between the consumer warpgroups with two named barriers (written, read).
 // Q, the key rows and P sit in shared memory in wgmma's 128-byte-swizzle layout: 64-column blocks
 // of 128-byte rows, the 16-byte chunks of a row XOR-swizzled by (row & 7), every block 1024-byte
 // aligned. Writes to them are fenced to the async proxy before the barrier that hands them over.
@@ -65,8 +67,13 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_THREADS = 32 * PRODUCER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
-constexpr int PRODUCER_REGS = 152;  // setmaxnreg: 128 * 152 + 256 * 176 = 384 * 168, the launch's
-constexpr int CONSUMER_REGS = 176;  // (the producer holds two batches of tokens; ptxas spills it at 120..144)
+constexpr int WARPGROUP_THREADS = 128;
+// setmaxnreg: 128 * (144 + 200 + 160) = 384 * 168, the launch's. The producer holds two batches of
+// tokens; warpgroup 0 holds the scores (64 x 64 fp32) beside its half of O (ptxas, nvcc 13.0 and
+// 13.5: no spills at these, spills with warpgroup 0 at 192 or warpgroup 1 at 152).
+constexpr int PRODUCER_REGS = 144;
+constexpr int SCORE_REGS = 200;
+constexpr int VALUE_REGS = 160;
 constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16: each warp's share of the scores' bias
 constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
 constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
@@ -75,18 +82,17 @@ constexpr int BLOCK_COLS = 64;      // bf16 columns of one 128-byte swizzle row
 constexpr int BLOCK_BYTES = HEADS * BLOCK_COLS * 2;  // one column block of Q, a key tile or P: 8 KB
 static_assert(HEADS == KEYS, "Q, key tiles and P share one column-block size");
 constexpr int ROW_GROUPS = 4;       // consumer warps along the heads (16 rows each): a warpgroup's wgmma rows
-constexpr int COL_GROUPS = 2;       // consumer warpgroups along the keys (scores) and d_v (output)
-constexpr int KEYS_PER_WARP = KEYS / COL_GROUPS;   // 32: the scores' wgmma N
+constexpr int COL_GROUPS = 2;       // consumer warpgroups along d_v (output)
 constexpr int V_COLS_PER_WARP = D_V / COL_GROUPS;  // 256: the output's wgmma N
-constexpr int S_TILES = KEYS_PER_WARP / 8;         // accumulator fragments of 8 columns (4 floats each)
+constexpr int S_TILES = KEYS / 8;                  // accumulator fragments of 8 columns (4 floats each)
 constexpr int O_TILES = V_COLS_PER_WARP / 8;
 constexpr int COMBINE_THREADS = D_V / 4;
 constexpr float LN2 = 0.6931471805599453f;
 
 static_assert(ROW_GROUPS * 16 == HEADS && ROW_GROUPS * COL_GROUPS == CONSUMER_WARPS, "consumer warp grid");
-static_assert(KEYS_PER_WARP == 32 && V_COLS_PER_WARP == 256 && D_QK % BLOCK_COLS == 0 && KEYS % 16 == 0 &&
-                  V_COLS_PER_WARP % BLOCK_COLS == 0,
-              "wgmma shapes: m64n32k16 scores, m64n256k16 output over whole column blocks");
+static_assert(KEYS == 64 && V_COLS_PER_WARP == 256 && D_QK % BLOCK_COLS == 0 && KEYS % 16 == 0 &&
+                  V_COLS_PER_WARP % BLOCK_COLS == 0 && CONSUMER_THREADS == 2 * WARPGROUP_THREADS,
+              "wgmma shapes: m64n64k16 scores, m64n256k16 output over whole column blocks");
 static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0 &&
                   KEYS_IN_FLIGHT % ROPE_KEYS_PER_LOAD == 0,
               "a producer lane takes 16 latent bytes (one chunk of one quantization tile) of each token and one "
@@ -94,17 +100,18 @@ static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0
 static_assert(TOKEN_BYTES % 16 == 0 && ROPE_OFFSET % 16 == 0 && SCALE_OFFSET % 4 == 0,
               "tokens are gathered with 16-byte loads");
 static_assert(D_V % (4 * COMBINE_THREADS) == 0 || D_V == 4 * COMBINE_THREADS, "combine: 4 columns per thread");
-static_assert(PRODUCER_THREADS * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 &&
-                  PRODUCER_REGS % 8 == 0 && CONSUMER_REGS % 8 == 0,
-              "setmaxnreg budget");
+static_assert(WARPGROUP_THREADS * (PRODUCER_REGS + SCORE_REGS + VALUE_REGS) <= THREADS * 168 &&
+                  PRODUCER_REGS % 8 == 0 && SCORE_REGS % 8 == 0 && VALUE_REGS % 8 == 0 &&
+                  PRODUCER_THREADS == WARPGROUP_THREADS,
+              "setmaxnreg budget: the registers the launch holds (168 a thread at 384 threads, one CTA an SM)");
 
 struct Shared {
   alignas(1024) uint8_t q[D_QK / BLOCK_COLS][BLOCK_BYTES];          // the CTA's 64 query rows, bf16
   alignas(1024) uint8_t k[STAGES][D_QK / BLOCK_COLS][BLOCK_BYTES];  // dequantized keys; columns < 512 are V
   alignas(1024) uint8_t p[BLOCK_BYTES];                             // probabilities of the current tile, bf16
   float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
-  float row_max[COL_GROUPS][HEADS];                                 // each warpgroup's tile maxima
-  float row_sum[COL_GROUPS][HEADS];                                 // each warpgroup's sums, at the end
+  float alpha[HEADS];                                               // the rows' rescale factors of the current tile
+  float inv_sum[HEADS];                                             // 1 / the rows' sums, at the end
   uint64_t full[STAGES];                                            // the stage's keys are in place
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
 };
@@ -112,14 +119,21 @@ static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of s
 
 constexpr int PAIR_MIN_TILES = 4;  // a split of fewer tiles runs h_q 128's head blocks apart
 
-// Named barriers of the consumers and of the producers (0 is __syncthreads', unused after the role
-// split).
+// Named barriers (0 is __syncthreads', unused after the role split): both consumer warpgroups
+// (Q loaded; the sums at the end), the producers (a tile's half stored before it goes to the peer),
+// and the hand-over of P between the consumer warpgroups (written; read).
 constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
+constexpr int BAR_P_READY = 3;
+constexpr int BAR_P_FREE = 4;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // The address of `local` (this CTA's shared memory) in CTA `rank` of the cluster.
@@ -163,8 +177,9 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* start, uint32_t leadi
 }
 
 namespace gmma = cute::SM90::GMMA;
-using ScoreMma = gmma::MMA_64x32x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
-using OutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
+using ScoreMma = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+using LowerOutputMma = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;  // P from registers
+using UpperOutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;  // P from shared memory
 
 // d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
 template <typename Mma, int N, size_t... I>
@@ -175,6 +190,18 @@ __device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&
 template <typename Mma, int N>
 __device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float (&d)[N][4]) {
   wgmma_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
+}
+
+// d += A B for one register-A wgmma `Mma`: a holds the thread's A fragment (4 x bf16x2).
+template <typename Mma, int N, size_t... I>
+__device__ __forceinline__ void wgmma_rs_fragments(const uint32_t (&a)[4], uint64_t b, float (&d)[N][4],
+                                                   std::index_sequence<I...>) {
+  Mma::fma(a[0], a[1], a[2], a[3], b, d[I / 4][I % 4]...);
+}
+
+template <typename Mma, int N>
+__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N][4]) {
+  wgmma_rs_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
 }
 
 template <int N>
@@ -349,43 +376,86 @@ __device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s, int
   }
 }
 
-// Consumer warp r of warpgroup c: its wgmma accumulator rows are heads 16r..16r+15; the warpgroup
-// scores keys 32c..32c+31 and accumulates value columns 256c..256c+255.
+// Hands stage `stage` back to the producers of the pair once this warp's wgmma reads of tile t are
+// done (the last STAGES tiles are never refilled, so nobody waits for them).
 template <int PAIR>
-__device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
-  const int tid = threadIdx.x - PRODUCER_THREADS;
-  const int lane = tid & 31, warp = tid >> 5;
-  const int r = warp % ROW_GROUPS, c = warp / ROW_GROUPS;
-  const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
-
-  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * D_QK;
-  for (int i = tid; i < HEADS * D_QK / 8; i += CONSUMER_THREADS) {
-    const int head = i / (D_QK / 8), chunk = i % (D_QK / 8);
-    *reinterpret_cast<uint4*>(s.q[0] + swizzle(head, chunk)) =
-        *reinterpret_cast<const uint4*>(q + static_cast<int64_t>(head) * D_QK + chunk * 8);
+__device__ __forceinline__ void release_stage(Shared& s, const Work& w, int t, int stage, int rank) {
+  if (t + STAGES < w.tiles) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+      Barrier::arrive(&s.empty[stage]);
+      if constexpr (PAIR > 1) Barrier::arrive(&s.empty[stage], rank ^ 1, 1);
+    }
   }
-  fence_to_wgmma();
-  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+}
 
+// acc *= alpha row by row (rows g, g + 8 of each fragment); skipped when no row of the warp moved
+// its maximum, as most tiles do.
+__device__ __forceinline__ void rescale(float (&acc)[O_TILES][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+    for (int n = 0; n < O_TILES; ++n) {
+      acc[n][0] *= alpha[0];
+      acc[n][1] *= alpha[0];
+      acc[n][2] *= alpha[1];
+      acc[n][3] *= alpha[1];
+    }
+  }
+}
+
+// Rows g, g + 8 of consumer warp (r, c): value columns 256c.. of acc * inv, as bf16 out (one split)
+// or an fp32 partial; warpgroup 0 also writes the rows' lse.
+__device__ __forceinline__ void store_rows(const SparseDecodeArgs& a, const Work& w, const float (&acc)[O_TILES][4],
+                                           const float (&inv)[2], const float (&lse)[2], int r, int c, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const bool direct = a.splits == 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int head = w.head_block * HEADS + 16 * r + g + 8 * i;
+    const int col0 = V_COLS_PER_WARP * c + 2 * t4;
+    if (direct) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + (w.row * a.h_q + head) * D_V + col0;
+#pragma unroll
+      for (int n = 0; n < O_TILES; ++n)
+        *reinterpret_cast<uint32_t*>(out + 8 * n) = pack_bf16(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
+      if (c == 0 && t4 == 0) {
+        const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
+        a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse[i];
+      }
+    } else {
+      const int64_t part = (w.row * a.splits + w.split) * a.h_q + head;
+      float* out = a.part_out + part * D_V + col0;
+#pragma unroll
+      for (int n = 0; n < O_TILES; ++n)
+        *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
+      if (c == 0 && t4 == 0) a.part_lse[part] = lse[i];
+    }
+  }
+}
+
+// Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys
+// (S = Q K^T over 576 columns, m64n64k16, both operands in shared memory), the online softmax in
+// base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through shared memory, and
+// O += P V for value columns 0..255 with P from registers (m64n256k16, RS).
+template <int PAIR>
+__device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+  const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
+  const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
   float acc[O_TILES][4];
 #pragma unroll
   for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
-  float l[2] = {0.0f, 0.0f};            // this warp's share of the running sums
-
-  // Descriptor bases: Q; warpgroup c's 32 keys of a tile (K-major); its 256 value columns (the
-  // tile's column blocks 4c.., MN-major along d, K along the keys); P (K-major).
+  float l[2] = {0.0f, 0.0f};            // this thread's share of their running sums
   const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024);
-  const uint64_t p_desc = sw128_desc(s.p, 16, 1024);
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    const uint64_t k_desc = sw128_desc(s.k[stage][0] + KEYS_PER_WARP * c * 128, 16, 1024);
-    const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS * c], BLOCK_BYTES, 1024);
+    const uint64_t k_desc = sw128_desc(s.k[stage][0], 16, 1024);
+    const uint64_t v_desc = sw128_desc(s.k[stage][0], BLOCK_BYTES, 1024);  // column blocks 0..3, MN-major
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);
 
-    // Scores of the 64 heads x keys 32c..: S = Q K^T over all 576 columns, 16 at a time (a column
-    // block is 4 steps of 32 bytes; descriptors count 16-byte units).
+    // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
+    // 16-byte units).
     float sc[S_TILES][4];
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
@@ -400,33 +470,27 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s, int
     cute::warpgroup_wait<0>();
     fence_fragments(sc);
 
-    // Scale to base 2, mask invalid keys, and agree on the tile's row maxima with the other
-    // warpgroup.
+    // Scale to base 2, mask invalid keys, take the rows' maxima over the tile (a row's 64 keys sit
+    // in the 4 lanes of a quad).
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = KEYS_PER_WARP * c + 8 * j + 2 * t4 + (e & 1);
-        sc[j][e] = sc[j][e] * a.scale_log2 + s.bias[stage][key];
+        sc[j][e] = sc[j][e] * a.scale_log2 + s.bias[stage][8 * j + 2 * t4 + (e & 1)];
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
       }
     }
-    tile_max[0] = quad_max(tile_max[0]);
-    tile_max[1] = quad_max(tile_max[1]);
-    if (t4 == 0) {
-      s.row_max[c][16 * r + g] = tile_max[0];
-      s.row_max[c][16 * r + g + 8] = tile_max[1];
-    }
-    bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
     float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m[i], fmaxf(tile_max[i], s.row_max[1 - c][16 * r + g + 8 * i]));
+      const float m_new = fmaxf(m[i], quad_max(tile_max[i]));
       base[i] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing valid yet: all weights 0
       alpha[i] = exp2_approx(m[i] - base[i]);
       m[i] = m_new;
     }
+    // P in bf16, packed as wgmma's A fragments: p[j][0] rows g, p[j][1] rows g + 8, keys 8j + 2t4 (+1).
+    uint32_t p[S_TILES][2];
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
 #pragma unroll
@@ -434,80 +498,102 @@ __device__ void consume(const SparseDecodeArgs& a, const Work& w, Shared& s, int
         sc[j][e] = exp2_approx(sc[j][e] - base[e >> 1]);
         sum[e >> 1] += sc[j][e];
       }
-      // P (bf16) for rows g, g + 8 and keys 32c + 8j + 2t4 (+1): 4 bytes into 16-byte chunk 4c + j.
-      const int chunk = (KEYS_PER_WARP / 8) * c + j;
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, chunk) + 4 * t4) =
-          pack_bf16(sc[j][0], sc[j][1]);
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, chunk) + 4 * t4) =
-          pack_bf16(sc[j][2], sc[j][3]);
+      p[j][0] = pack_bf16(sc[j][0], sc[j][1]);
+      p[j][1] = pack_bf16(sc[j][2], sc[j][3]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // most tiles keep the maxima
+
+    if (t > 0) bar_sync(BAR_P_FREE, CONSUMER_THREADS);  // warpgroup 1 is done with the last tile's P
 #pragma unroll
-      for (int n = 0; n < O_TILES; ++n) {
-        acc[n][0] *= alpha[0];
-        acc[n][1] *= alpha[0];
-        acc[n][2] *= alpha[1];
-        acc[n][3] *= alpha[1];
-      }
+    for (int j = 0; j < S_TILES; ++j) {
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, j) + 4 * t4) = p[j][0];
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, j) + 4 * t4) = p[j][1];
+    }
+    if (t4 == 0) {
+      s.alpha[16 * r + g] = alpha[0];
+      s.alpha[16 * r + g + 8] = alpha[1];
     }
     fence_to_wgmma();
-    bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // both halves of P are written
+    bar_arrive(BAR_P_READY, CONSUMER_THREADS);
 
-    // O += P V: 64 heads x value columns 256c.. over the tile's 64 keys, 16 keys (2048 bytes of
-    // V rows, 32 bytes of P rows) a step.
+    // O += P V over the tile's 64 keys, 16 keys (2048 bytes of V rows) a step; A fragment ks is
+    // keys 16ks.. of rows g (p[2ks][0], p[2ks + 1][0]) and g + 8.
+    rescale(acc, alpha);
     fence_fragments(acc);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) cute::warpgroup_fence_operand(p[j][0]), cute::warpgroup_fence_operand(p[j][1]);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<OutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
+    for (int ks = 0; ks < KEYS / 16; ++ks)
+      wgmma_rs<LowerOutputMma>({p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]}, v_desc + ks * 128,
+                               acc);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
-    if (t + STAGES < w.tiles) {  // the producers of the pair wait for it before refilling the stage
-      __syncwarp();
-      if (lane == 0) {
-        Barrier::arrive(&s.empty[stage]);
-        if constexpr (PAIR > 1) Barrier::arrive(&s.empty[stage], rank ^ 1, 1);
-      }
-    }
+    release_stage<PAIR>(s, w, t, stage, rank);
   }
 
-  // Row sums over both key halves, then out = acc / sum and lse = ln(sum) + max.
-  const float own[2] = {quad_sum(l[0]), quad_sum(l[1])};
-  if (t4 == 0) {
-    s.row_sum[c][16 * r + g] = own[0];
-    s.row_sum[c][16 * r + g + 8] = own[1];
-  }
-  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
-  const bool direct = a.splits == 1;
+  // out = acc / sum and lse = ln(sum) + max; warpgroup 1 takes 1 / sum from shared memory.
+  float inv[2], lse[2];
+  const float empty_lse = a.splits == 1 ? INFINITY : -INFINITY;  // a partial without keys weighs 0 in the combine
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int local = 16 * r + g + 8 * i;
-    const int head = w.head_block * HEADS + local;
-    const float total = s.row_sum[0][local] + s.row_sum[1][local];
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    const float empty_lse = direct ? INFINITY : -INFINITY;  // a partial without keys weighs 0 in the combine
-    const float lse = total > 0.0f ? (m[i] + log2f(total)) * LN2 : empty_lse;
-    const int col0 = V_COLS_PER_WARP * c + 2 * t4;
-    if (direct) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + (w.row * a.h_q + head) * D_V + col0;
-#pragma unroll
-      for (int n = 0; n < O_TILES; ++n)
-        *reinterpret_cast<uint32_t*>(out + 8 * n) = pack_bf16(acc[n][2 * i] * inv, acc[n][2 * i + 1] * inv);
-      if (c == 0 && t4 == 0) {
-        const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
-        a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse;
-      }
-    } else {
-      const int64_t part = (w.row * a.splits + w.split) * a.h_q + head;
-      float* out = a.part_out + part * D_V + col0;
-#pragma unroll
-      for (int n = 0; n < O_TILES; ++n)
-        *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * i] * inv, acc[n][2 * i + 1] * inv);
-      if (c == 0 && t4 == 0) a.part_lse[part] = lse;
-    }
+    const float total = quad_sum(l[i]);
+    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
+    lse[i] = total > 0.0f ? (m[i] + log2f(total)) * LN2 : empty_lse;
+    if (t4 == 0) s.inv_sum[16 * r + g + 8 * i] = inv[i];
   }
+  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+  store_rows(a, w, acc, inv, lse, r, 0, lane);
+}
+
+// Warpgroup 1 (warp r: heads 16r..16r+15): per tile, once warpgroup 0 has written P and the rescale
+// factors, O += P V for value columns 256..511 (m64n256k16, P and V from shared memory).
+template <int PAIR>
+__device__ void upper_values(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+  const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
+  const int g = lane >> 2;
+  float acc[O_TILES][4];
+#pragma unroll
+  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const uint64_t p_desc = sw128_desc(s.p, 16, 1024);
+
+  for (int t = 0; t < w.tiles; ++t) {
+    const int stage = t % STAGES;
+    const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS], BLOCK_BYTES, 1024);
+    bar_sync(BAR_P_READY, CONSUMER_THREADS);
+    Barrier::wait(&s.full[stage], (t / STAGES) & 1);  // complete already (warpgroup 0 waited for it)
+    const float alpha[2] = {s.alpha[16 * r + g], s.alpha[16 * r + g + 8]};
+    rescale(acc, alpha);
+    fence_fragments(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<UpperOutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_fragments(acc);
+    if (t + 1 < w.tiles) bar_arrive(BAR_P_FREE, CONSUMER_THREADS);
+    release_stage<PAIR>(s, w, t, stage, rank);
+  }
+
+  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+  const float inv[2] = {s.inv_sum[16 * r + g], s.inv_sum[16 * r + g + 8]};
+  const float unused[2] = {0.0f, 0.0f};  // warpgroup 0 writes the lse
+  store_rows(a, w, acc, inv, unused, r, 1, lane);
+}
+
+// The CTA's 64 query rows into shared memory (bf16, swizzled) by both consumer warpgroups.
+__device__ __forceinline__ void load_q(const SparseDecodeArgs& a, const Work& w, Shared& s) {
+  const int tid = threadIdx.x - PRODUCER_THREADS;
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * D_QK;
+  for (int i = tid; i < HEADS * D_QK / 8; i += CONSUMER_THREADS) {
+    const int head = i / (D_QK / 8), chunk = i % (D_QK / 8);
+    *reinterpret_cast<uint4*>(s.q[0] + swizzle(head, chunk)) =
+        *reinterpret_cast<const uint4*>(q + static_cast<int64_t>(head) * D_QK + chunk * 8);
+  }
+  fence_to_wgmma();
+  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }
 
 // PAIR = 2: the CTAs of head blocks 2i and 2i + 1 form a cluster (launched with cluster dims 2).
@@ -529,9 +615,14 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
   if (threadIdx.x < PRODUCER_THREADS) {
     cutlass::arch::warpgroup_reg_dealloc<PRODUCER_REGS>();
     produce<PAIR>(args, w, s, rank);
+  } else if (threadIdx.x < PRODUCER_THREADS + WARPGROUP_THREADS) {
+    cutlass::arch::warpgroup_reg_alloc<SCORE_REGS>();
+    load_q(args, w, s);
+    score_and_lower_values<PAIR>(args, w, s, rank);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<CONSUMER_REGS>();
-    consume<PAIR>(args, w, s, rank);
+    cutlass::arch::warpgroup_reg_dealloc<VALUE_REGS>();
+    load_q(args, w, s);
+    upper_values<PAIR>(args, w, s, rank);
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
 }
