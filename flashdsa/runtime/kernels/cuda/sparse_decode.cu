@@ -116,12 +116,17 @@ struct Shared {
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
+// The bf16 output rows staged in the Q buffer at the end, each padded by 16 bytes: a fragment store
+// (rows g = 0..7, 4 lanes a row) then hits 32 different banks.
+constexpr int STAGED_ROW_BYTES = D_V * 2 + 16;
+static_assert(HEADS * STAGED_ROW_BYTES <= sizeof(Shared::q) && STAGED_ROW_BYTES % 16 == 0, "output staging");
 
 constexpr int PAIR_MIN_TILES = 4;  // a split of fewer tiles runs h_q 128's head blocks apart
 
-// Named barriers (0 is __syncthreads', unused after the role split): both consumer warpgroups
-// (Q loaded; the sums at the end), the producers (a tile's half stored before it goes to the peer),
-// and the hand-over of P between the consumer warpgroups (written; read).
+// Named barriers (0 is __syncthreads', unused after the role split): both consumer warpgroups (Q
+// loaded; the sums, then the staged output, at the end), the producers (a tile's half stored
+// before it goes to the peer), and the hand-over of P between the consumer warpgroups (written;
+// read).
 constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
 constexpr int BAR_P_READY = 3;
@@ -183,13 +188,16 @@ using UpperOutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::
 
 // d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
 template <typename Mma, int N, size_t... I>
-__device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&d)[N][4], std::index_sequence<I...>) {
-  Mma::fma(a, b, d[I / 4][I % 4]...);
+__device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&d)[N][4], gmma::ScaleOut scale_d,
+                                                std::index_sequence<I...>) {
+  Mma::fma(a, b, d[I / 4][I % 4]..., scale_d);
 }
 
+// scale_d Zero: d = A B (d's old values are not read).
 template <typename Mma, int N>
-__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float (&d)[N][4]) {
-  wgmma_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
+__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float (&d)[N][4],
+                                      gmma::ScaleOut scale_d = gmma::ScaleOut::One) {
+  wgmma_fragments<Mma>(a, b, d, scale_d, std::make_index_sequence<4 * N>{});
 }
 
 // d += A B for one register-A wgmma `Mma`: a holds the thread's A fragment (4 x bf16x2).
@@ -403,21 +411,26 @@ __device__ __forceinline__ void rescale(float (&acc)[O_TILES][4], const float (&
   }
 }
 
-// Rows g, g + 8 of consumer warp (r, c): value columns 256c.. of acc * inv, as bf16 out (one split)
-// or an fp32 partial; warpgroup 0 also writes the rows' lse.
-__device__ __forceinline__ void store_rows(const SparseDecodeArgs& a, const Work& w, const float (&acc)[O_TILES][4],
-                                           const float (&inv)[2], const float (&lse)[2], int r, int c, int lane) {
+// The consumers' last step: value columns 256c.. of acc * inv for rows g, g + 8 of consumer warp
+// (r, c), and (warpgroup 0) the rows' lse. With one split the bf16 rows go through the Q buffer
+// (free once the last scores are done): each warp stores its fragments there, then all consumer
+// threads copy the CTA's 64 contiguous output rows out in 16-byte chunks, whole lines at a time
+// (the fragments' own 4-byte stores, 16 bytes to a row per instruction, took ~8 us of a 96 us
+// decode at b=64). fp32 partials (splits > 1) are stored from the fragments, 32 bytes to a row.
+__device__ __forceinline__ void store_output(const SparseDecodeArgs& a, const Work& w, Shared& s,
+                                             const float (&acc)[O_TILES][4], const float (&inv)[2],
+                                             const float (&lse)[2], int r, int c, int lane) {
   const int g = lane >> 2, t4 = lane & 3;
   const bool direct = a.splits == 1;
+  const int col0 = V_COLS_PER_WARP * c + 2 * t4;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int head = w.head_block * HEADS + 16 * r + g + 8 * i;
-    const int col0 = V_COLS_PER_WARP * c + 2 * t4;
+    const int local = 16 * r + g + 8 * i, head = w.head_block * HEADS + local;
     if (direct) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + (w.row * a.h_q + head) * D_V + col0;
+      uint8_t* row = s.q[0] + local * STAGED_ROW_BYTES + col0 * 2;
 #pragma unroll
       for (int n = 0; n < O_TILES; ++n)
-        *reinterpret_cast<uint32_t*>(out + 8 * n) = pack_bf16(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
+        *reinterpret_cast<uint32_t*>(row + 16 * n) = pack_bf16(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
       if (c == 0 && t4 == 0) {
         const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
         a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse[i];
@@ -430,6 +443,15 @@ __device__ __forceinline__ void store_rows(const SparseDecodeArgs& a, const Work
         *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
       if (c == 0 && t4 == 0) a.part_lse[part] = lse[i];
     }
+  }
+  if (direct) {
+    bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // both warpgroups' rows are staged
+    uint4* out = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) +
+                                          (w.row * a.h_q + w.head_block * HEADS) * D_V);
+    constexpr int ROW_CHUNKS = D_V * 2 / 16;
+#pragma unroll 4
+    for (int i = threadIdx.x - PRODUCER_THREADS; i < HEADS * ROW_CHUNKS; i += CONSUMER_THREADS)
+      out[i] = *reinterpret_cast<const uint4*>(s.q[0] + (i / ROW_CHUNKS) * STAGED_ROW_BYTES + (i % ROW_CHUNKS) * 16);
   }
 }
 
@@ -455,16 +477,14 @@ __device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w,
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);
 
     // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
-    // 16-byte units).
+    // 16-byte units); the first step overwrites sc.
     float sc[S_TILES][4];
-#pragma unroll
-    for (int j = 0; j < S_TILES; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
     fence_fragments(sc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < D_QK / 16; ++kk) {
       const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
-      wgmma<ScoreMma>(q_desc + step, k_desc + step, sc);
+      wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
@@ -475,9 +495,10 @@ __device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w,
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
+      const float2 bias = *reinterpret_cast<const float2*>(&s.bias[stage][8 * j + 2 * t4]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        sc[j][e] = sc[j][e] * a.scale_log2 + s.bias[stage][8 * j + 2 * t4 + (e & 1)];
+        sc[j][e] = sc[j][e] * a.scale_log2 + ((e & 1) ? bias.y : bias.x);
         tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
       }
     }
@@ -545,7 +566,7 @@ __device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w,
     if (t4 == 0) s.inv_sum[16 * r + g + 8 * i] = inv[i];
   }
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
-  store_rows(a, w, acc, inv, lse, r, 0, lane);
+  store_output(a, w, s, acc, inv, lse, r, 0, lane);
 }
 
 // Warpgroup 1 (warp r: heads 16r..16r+15): per tile, once warpgroup 0 has written P and the rescale
@@ -580,18 +601,24 @@ __device__ void upper_values(const SparseDecodeArgs& a, const Work& w, Shared& s
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
   const float inv[2] = {s.inv_sum[16 * r + g], s.inv_sum[16 * r + g + 8]};
   const float unused[2] = {0.0f, 0.0f};  // warpgroup 0 writes the lse
-  store_rows(a, w, acc, inv, unused, r, 1, lane);
+  store_output(a, w, s, acc, inv, unused, r, 1, lane);
 }
 
-// The CTA's 64 query rows into shared memory (bf16, swizzled) by both consumer warpgroups.
+// The CTA's 64 query rows into shared memory (bf16, swizzled) by both consumer warpgroups, as
+// 16-byte asynchronous copies that are all in flight at once (plain loads and stores would wait
+// for each load in turn: the compiler cannot move a load past a store that may alias it).
 __device__ __forceinline__ void load_q(const SparseDecodeArgs& a, const Work& w, Shared& s) {
   const int tid = threadIdx.x - PRODUCER_THREADS;
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * D_QK;
+#pragma unroll
   for (int i = tid; i < HEADS * D_QK / 8; i += CONSUMER_THREADS) {
     const int head = i / (D_QK / 8), chunk = i % (D_QK / 8);
-    *reinterpret_cast<uint4*>(s.q[0] + swizzle(head, chunk)) =
-        *reinterpret_cast<const uint4*>(q + static_cast<int64_t>(head) * D_QK + chunk * 8);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                     static_cast<uint32_t>(__cvta_generic_to_shared(s.q[0] + swizzle(head, chunk)))),
+                 "l"(q + static_cast<int64_t>(head) * D_QK + chunk * 8)
+                 : "memory");
   }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
   fence_to_wgmma();
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }

@@ -1,8 +1,8 @@
 """Sparse MLA decode over the FP8 paged cache through the native kernel of ``sparse_decode.cu``
 (one CTA per query row, 64 heads and split of the top-k list: a producer warpgroup gathers and
-dequantizes 64 tokens per stage into shared memory, two consumer warpgroups run Q K^T and P V on
-tensor cores with an online softmax; with 128 heads and splits of at least 4 tiles the two head
-blocks run as a 2-CTA cluster that gathers each token once). Importing this module builds the
+dequantizes 64 tokens per stage into shared memory; one consumer warpgroup runs Q K^T, the online
+softmax and half of P V, the other the second half of P V; with 128 heads and splits of at least 4
+tiles the two head blocks run as a 2-CTA cluster that gathers each token once). Importing this module builds the
 kernels' native extension once (``flashdsa.runtime.native``); a failed build raises ImportError,
 so dispatch falls back to Triton and says why."""
 
