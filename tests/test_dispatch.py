@@ -108,3 +108,69 @@ def test_unimportable_target_is_unavailable_and_automatic_choice_falls_back(monk
 def test_triton_support_check_explains_each_limit(change, reason):
     got = _triton_supports(**dict(V32, **change))
     assert got is None if reason is None else reason in got
+
+
+# ---------------------------------------------------------------- remembered choices
+
+GPU = torch.device("cuda", 0)  # only names a device: nothing runs on it, and triton's device check passes
+REFERENCE_TARGET = "flashdsa.runtime.kernels.reference:sparse_mla_fwd"
+
+
+def counting_op(name: str, calls: list, stable: bool = True, triton_max: int = 8) -> str:
+    """An op with a triton backend (its support check counted in ``calls``, serving n <= triton_max)
+    and a reference one, registered afresh under ``name``."""
+    def supports(n: int = 0, **_):
+        calls.append(n)
+        return None if n <= triton_max else dispatch.Declined(f"n={n} > {triton_max}")
+
+    dispatch.register(name, "triton", REFERENCE_TARGET, supports, stable=stable)
+    dispatch.register(name, "reference", REFERENCE_TARGET)
+    return name
+
+
+def test_a_cuda_choice_is_made_once_per_facts():
+    calls = []
+    op = counting_op("test_dispatch_remembered_op", calls)
+    for _ in range(3):
+        assert dispatch.choose(op, GPU, n=4) == "triton" and dispatch.choose(op, GPU, n=9) == "reference"
+        assert dispatch.select(op, GPU, n=4) is reference.sparse_mla_fwd
+    assert calls == [4, 9]
+    assert dispatch.choose(op, GPU, backend="triton", n=9) == "triton"  # forced: runs though declined
+    assert dispatch.choose(op, torch.device("cuda", 1), n=4) == "triton" and calls == [4, 9, 9, 4]
+
+
+def test_registering_forgets_every_choice():
+    op = counting_op("test_dispatch_reregistered_op", [])
+    assert dispatch.choose(op, GPU, n=9) == "reference"
+    counting_op(op, [], triton_max=16)
+    assert dispatch.choose(op, GPU, n=9) == "triton"
+
+
+def test_a_change_of_the_environment_variable_takes_effect_at_once(monkeypatch):
+    op = counting_op("test_dispatch_environment_op", [])
+    assert dispatch.choose(op, GPU, n=4) == "triton"
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.choose(op, GPU, n=4) == "reference"
+    assert dispatch.choose(op, GPU, backend="triton", n=4) == "triton"  # an argument still wins
+    monkeypatch.setenv(dispatch.ENV_VAR, "tilelang")
+    for _ in range(2):  # a failure is not remembered
+        with pytest.raises(ValueError, match="FLASHDSA_BACKEND must be one of"):
+            dispatch.choose(op, GPU, n=4)
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    assert dispatch.choose(op, GPU, n=4) == "triton"
+
+
+def test_unstable_ops_unhashable_facts_and_other_devices_choose_every_call(monkeypatch):
+    calls = []
+    op = counting_op("test_dispatch_unstable_op", calls, stable=False)
+    for _ in range(2):
+        assert dispatch.choose(op, GPU, n=4) == "triton"
+    assert len(calls) == 2
+    op = counting_op("test_dispatch_stable_op", calls)
+    for _ in range(2):
+        assert dispatch.choose(op, GPU, n=4, shape=[1, 2]) == "triton"  # a list cannot key a dict
+    assert len(calls) == 4
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # off CUDA devices the interpreter decides, read each call
+    assert dispatch.choose(op, CPU, n=4) == "triton" and len(calls) == 5
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert dispatch.choose(op, CPU, n=4) == "reference"

@@ -6,6 +6,13 @@ backend that can serve the call: a forced backend (argument or ``FLASHDSA_BACKEN
 cannot serve raises ``ValueError`` with its reason; an automatic choice that falls back to a
 slower backend logs the reason once. A backend may also decline a call it could run (``Declined``:
 another is faster at that shape); that is a choice, not a fallback, so nothing is logged.
+
+On CUDA devices choices are remembered per op, device, backend argument, ``FLASHDSA_BACKEND`` and
+facts, so a repeated call pays a dict lookup instead of every backend's device, support and import
+checks (microseconds of host time ahead of each kernel). What else decides is fixed for a process:
+a device's capability, the native toolchain, whether a target imports (a failed native build stays
+failed, ``native.load``). ``register`` forgets every choice; an op whose support check reads state
+that changes (``register(..., stable=False)``) is never remembered.
 """
 
 from __future__ import annotations
@@ -37,17 +44,23 @@ class Declined(str):
 class Impl:
     target: str  # "package.module:function", imported on first use
     supports: Optional[SupportCheck] = None
+    stable: bool = True  # supports answers from its facts and what is fixed for a process
 
 
 _REGISTRY: dict[str, dict[str, Impl]] = {}
 _warned: set[tuple[str, str]] = set()
+_choices: dict[tuple, str] = {}  # choose's key -> backend name, for ops whose backends are all stable
+MAX_CHOICES = 4096  # facts such as M vary per call: past this many the remembered choices start afresh
 
 
-def register(op: str, backend: str, target: str, supports: Optional[SupportCheck] = None) -> None:
-    """Register ``target`` as the ``backend`` implementation of ``op``."""
+def register(op: str, backend: str, target: str, supports: Optional[SupportCheck] = None, *,
+             stable: bool = True) -> None:
+    """Register ``target`` as the ``backend`` implementation of ``op``. ``stable=False``: ``supports``
+    reads state that changes while the process runs, so choices for ``op`` are made afresh each call."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _REGISTRY.setdefault(op, {})[backend] = Impl(target, supports)
+    _REGISTRY.setdefault(op, {})[backend] = Impl(target, supports, stable)
+    _choices.clear()
 
 
 @functools.cache
@@ -95,6 +108,33 @@ def choose(op: str, device: torch.device, backend: Optional[str] = None, **facts
     (``cuda`` forces the native kernels that exist while the other ops keep choosing).
     facts: keyword shape facts handed to each backend's support check (e.g. ``h_q=128``).
     """
+    return _remembered(op, device, backend, facts)
+
+
+def _remembered(op: str, device: torch.device, backend: Optional[str], facts: dict) -> str:
+    """:func:`_choose`'s answer, remembered on CUDA devices for stable ops (a failure, which raises,
+    never is). Off CUDA devices (the reference backend, Triton's interpreter) the choice also hangs on
+    ``TRITON_INTERPRET`` and host time hardly counts, so it is made afresh there."""
+    if device.type != "cuda":
+        return _choose(op, device, backend, facts)
+    environment = os.environ.get(ENV_VAR) if backend is None else None  # an argument overrides it
+    key = (op, device, backend, environment, *facts.items())
+    try:
+        return _choices[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable fact: nothing to remember it by
+        return _choose(op, device, backend, facts)
+    name = _choose(op, device, backend, facts)
+    if all(impl.stable for impl in _REGISTRY[op].values()):
+        if len(_choices) >= MAX_CHOICES:
+            _choices.clear()
+        _choices[key] = name
+    return name
+
+
+def _choose(op: str, device: torch.device, backend: Optional[str], facts: dict) -> str:
+    """:func:`choose` without remembering: asks each backend in turn."""
     forced = backend
     if forced is None:
         forced = _environment_backend(op)
@@ -128,7 +168,7 @@ def _environment_backend(op: str) -> Optional[str]:
 
 def select(op: str, device: torch.device, backend: Optional[str] = None, **facts) -> Callable:
     """Return the implementation of ``op`` for ``device`` (the backend :func:`choose` names)."""
-    return _load(_REGISTRY[op][choose(op, device, backend, **facts)].target)
+    return _load(_REGISTRY[op][_remembered(op, device, backend, facts)].target)
 
 
 def available(op: str) -> list[str]:
