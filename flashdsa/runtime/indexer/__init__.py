@@ -103,8 +103,9 @@ def _check_float(name: str, x: object, dtypes: tuple[torch.dtype, ...], expected
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    check(ok, f"{name} must be an int >= {low}, got {value!r}")
+    """value: an int (not a bool) >= low; the message is only formatted for a bad one (host time)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def hadamard_transform(x: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -261,7 +262,8 @@ def indexer_topk(
         starts = torch.zeros(num_q, dtype=torch.int32, device=logits.device) if starts is None else starts
         ends = torch.full((num_q,), length, dtype=torch.int32, device=logits.device) if ends is None else ends
         _check_ranges(starts, ends, num_q, length, logits.device)
-    check(isinstance(sorted, bool), f"sorted must be a bool, got {sorted!r}")
+    if not isinstance(sorted, bool):
+        raise ValueError(f"sorted must be a bool, got {sorted!r}")
     return dispatch.select("indexer_topk", logits.device, backend, topk=topk)(logits, topk, starts, ends, sorted)
 
 

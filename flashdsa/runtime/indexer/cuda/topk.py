@@ -17,6 +17,7 @@ from flashdsa.runtime.indexer.triton.logits import ragged_logits_into
 from flashdsa.runtime.indexer.triton.topk import SCRATCH_BYTES
 
 native.load("indexer")
+_indexer_topk_cuda = torch.ops.flashdsa.indexer_topk_cuda.default  # the overload, resolved once
 
 
 def indexer_topk(logits: torch.Tensor, topk: int, starts: Optional[torch.Tensor], ends: Optional[torch.Tensor],
@@ -32,11 +33,13 @@ def indexer_topk(logits: torch.Tensor, topk: int, starts: Optional[torch.Tensor]
 
 def _topk_into(out: torch.Tensor, logits: torch.Tensor, starts: Optional[torch.Tensor],
                ends: Optional[torch.Tensor], topk: int, sorted: bool) -> None:
-    """The kernel's selection of ``logits`` (unit column stride) written into ``out: [T, topk]``."""
+    """The kernel's selection of ``logits`` (unit column stride) written into ``out: [T, topk]``, on
+    the current stream of logits' device (a graph's while one is captured). Its raw handle comes from
+    one call, as Triton's launcher gets it: ``torch.cuda.current_stream(device)`` builds a Stream in Python."""
     if logits.shape[0] == 0:
         return
-    stream = torch.cuda.current_stream(logits.device).cuda_stream
-    torch.ops.flashdsa.indexer_topk_cuda(logits, starts, ends, topk, sorted, out, stream)
+    stream = torch._C._cuda_getCurrentRawStream(logits.get_device())
+    _indexer_topk_cuda(logits, starts, ends, topk, sorted, out, stream)
 
 
 def indexer_fused_topk(q_fp8, weights, k_fp8, k_scale, starts, ends, topk: int, chunk: int) -> torch.Tensor:
