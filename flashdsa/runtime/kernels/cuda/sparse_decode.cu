@@ -133,12 +133,14 @@ constexpr int BAR_P_READY = 3;
 constexpr int BAR_P_FREE = 4;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
+// Named barriers, unaligned forms: the warps of a barrier reach it from different role branches
+// (different barrier instructions), which the aligned bar.sync forbids.
 __device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 __device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // The address of `local` (this CTA's shared memory) in CTA `rank` of the cluster.
