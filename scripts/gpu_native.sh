@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the native (CUDA C++) kernels: build them (timed: the first use's JIT cost; the
 # ptxas report gives registers, spills and shared memory per kernel), their GPU tests against the
-# reference, compute-sanitizer memcheck passes over edge cases (top-k, sparse decode), then the
-# sparse decode benchmark (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
+# reference, compute-sanitizer memcheck passes over edge cases (top-k, sparse decode), synccheck on
+# the decode (its warp roles meet at named barriers) and racecheck on the top-k, then the sparse
+# decode benchmark (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
 # builds in the background meanwhile (from .device/flashmla: run ../shared/device/prepare first and
 # carry .device). Writes at most 7 files under $OUT (default /tmp/flashdsa-gpu): device.txt,
 # build.log, tests.log, memcheck.log, bench-decode.log, bench-topk.log, BENCHMARKS-native.md.
@@ -32,6 +33,9 @@ if command -v compute-sanitizer >/dev/null; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
   done
+  echo "== synccheck tests/kernels/test_cuda_sparse_decode.py" >> "$out/memcheck.log"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool synccheck --error-exitcode 1 \
+    python3 tests/kernels/test_cuda_sparse_decode.py --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
   echo "== racecheck tests/indexer/test_cuda_topk.py" >> "$out/memcheck.log"
   compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/indexer/test_cuda_topk.py --memcheck \
     2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
