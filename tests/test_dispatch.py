@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdsa.runtime import dispatch
-from flashdsa.runtime.kernels import _triton_supports, reference, sparse_mla_fwd
+from flashdsa.runtime.kernels import _triton_supports, reference, sparse_mla_bwd, sparse_mla_fwd
 from flashdsa.testing import random_sparse_inputs
 
 CPU = torch.device("cpu")
@@ -32,8 +32,10 @@ def test_fallback_picks_reference_on_cpu(op):
 def test_forced_backend_that_cannot_serve_raises_with_the_reason():
     with pytest.raises(ValueError, match="backend 'triton' cannot run sparse_mla_fwd: triton needs a CUDA device"):
         sparse_mla_fwd(*fwd_inputs(), 0.1, backend="triton")
-    with pytest.raises(ValueError, match="sparse_mla_fwd has no cuda implementation"):
-        sparse_mla_fwd(*fwd_inputs(), 0.1, backend="cuda")
+    q, kv, indices = fwd_inputs()
+    out = torch.zeros(*q.shape[:2], 512, dtype=q.dtype)
+    with pytest.raises(ValueError, match="sparse_mla_bwd has no cuda implementation"):
+        sparse_mla_bwd(q, kv, out, out, torch.zeros(q.shape[:2]), indices, 0.1, backend="cuda")
 
 
 def test_forced_triton_reports_the_unsupported_shape(monkeypatch):

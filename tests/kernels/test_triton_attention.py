@@ -1,7 +1,10 @@
-"""Triton sparse MLA forward and backward against the reference backend.
+"""Triton sparse MLA forward and backward, and the native (CUDA, SM90) forward, against the
+reference backend.
 
 GPU tests (marked ``gpu``) walk grids of heads, widths, top-k and query counts plus corner cases
-and a long context; outputs land in poisoned (NaN) memory. The CPU test runs a few tiny cases of
+and a long context; outputs land in poisoned (NaN) memory. Forward tests run on each backend
+(``cuda``: Hopper only, h_q 64 and 128), plus the native forward's own cases: top-k not a multiple
+of 64 and up to 16384, 70000 query rows, CUDA-graph replay. The CPU test runs a few tiny cases of
 the same checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported there,
 so other test files in this pytest run keep the normal triton).
 
@@ -34,11 +37,13 @@ D_V = 512
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 
 
-def check_fwd(q, kv, indices, sm_scale=None, out_abs_tol=1e-3):
-    """Triton forward vs the reference on fp32 copies of the same inputs (FlashMLA tolerances)."""
+def check_fwd(q, kv, indices, sm_scale=None, out_abs_tol=1e-3, backend="triton"):
+    """A backend's forward vs the reference on fp32 copies of the same inputs (FlashMLA tolerances)."""
     sm_scale = sm_scale or q.shape[-1] ** -0.5
+    if backend == "cuda" and (torch.cuda.get_device_capability() != (9, 0) or q.shape[1] not in (64, 128)):
+        pytest.skip("the cuda forward serves SM90 and h_q 64 or 128")
     flood_cuda_allocator_with_nan(q.device)
-    out, max_logits, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
+    out, max_logits, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend=backend)
     ref = reference.sparse_mla_fwd(q.float(), kv.float(), indices, sm_scale, D_V)
     assert out.dtype == q.dtype and max_logits.dtype == lse.dtype == torch.float32
     assert_flashmla_close("out", out, ref[0], abs_tol=out_abs_tol)
@@ -85,50 +90,85 @@ BAD_INDICES = [dict(invalid=0.3), dict(out_of_range=0.3), dict(duplicates=True),
 
 gpu = pytest.mark.gpu
 cuda = torch.device("cuda")
+fwd_backends = pytest.mark.parametrize("backend", ["triton", "cuda"])
 
 
 @gpu
+@fwd_backends
 @pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", FWD_GRID)
-def test_fwd_matches_reference(h_q, d_qk, topk, s_q, s_kv):
-    check_fwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda))
+def test_fwd_matches_reference(h_q, d_qk, topk, s_q, s_kv, backend):
+    check_fwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda), backend=backend)
 
 
 @gpu
+@fwd_backends
 @pytest.mark.parametrize("options", BAD_INDICES)
-def test_fwd_masks_invalid_and_counts_duplicate_indices(options):
-    check_fwd(*inputs(33, 500, 128, 576, 256, cuda, **options))
+def test_fwd_masks_invalid_and_counts_duplicate_indices(options, backend):
+    check_fwd(*inputs(33, 500, 128, 576, 256, cuda, **options), backend=backend)
 
 
 @gpu
-def test_fwd_rows_without_valid_index_give_zero_out_and_inf_lse():
+@fwd_backends
+def test_fwd_rows_without_valid_index_give_zero_out_and_inf_lse(backend):
     q, kv, indices = inputs(8, 700, 64, 576, 128, cuda, invalid=0.1)
     indices[2] = -1
     indices[5] = torch.tensor([700, -7] * 64, dtype=torch.int32)
-    out, max_logits, lse = check_fwd(q, kv, indices)
+    out, max_logits, lse = check_fwd(q, kv, indices, backend=backend)
     assert torch.equal(out[[2, 5]], torch.zeros_like(out[[2, 5]]))
     assert torch.isposinf(lse[[2, 5]]).all() and torch.isneginf(max_logits[[2, 5]]).all()
 
 
 @gpu
-def test_fwd_empty_cache_gives_empty_rows():
-    q, kv, indices = inputs(3, 0, 16, 512, 64, cuda, out_of_range=0.5)
-    out, max_logits, lse = check_fwd(q, kv, indices)
+@fwd_backends
+def test_fwd_empty_cache_gives_empty_rows(backend):
+    q, kv, indices = inputs(3, 0, 64, 512, 64, cuda, out_of_range=0.5)
+    out, max_logits, lse = check_fwd(q, kv, indices, backend=backend)
     assert not out.any() and torch.isposinf(lse).all() and torch.isneginf(max_logits).all()
 
 
 @gpu
+@fwd_backends
 @pytest.mark.parametrize("sm_scale, out_abs_tol", [(576 ** -0.5, 4e-3), (0.3, 2e-2)])
-def test_fwd_peaked_softmax_rescales_running_max(sm_scale, out_abs_tol):
+def test_fwd_peaked_softmax_rescales_running_max(sm_scale, out_abs_tol, backend):
     """Unscaled inputs: scores of std 1 and 7 make the running max move a lot between steps.
     With P rounded to bf16 and a few keys dominating, errors no longer average out: outputs of
     magnitude ~1 err up to ~4e-3 (std-1 scores) and, once seen, 1.4e-2 on 1 of 2.9M elements
     (std-7 scores); the cosine bound (1e-5) stays as strict as FlashMLA's."""
-    check_fwd(*inputs(45, 3000, 128, 576, 1024, cuda, scale=1.0), sm_scale=sm_scale, out_abs_tol=out_abs_tol)
+    check_fwd(*inputs(45, 3000, 128, 576, 1024, cuda, scale=1.0), sm_scale=sm_scale, out_abs_tol=out_abs_tol,
+              backend=backend)
 
 
 @gpu
-def test_fwd_long_context():
-    check_fwd(*inputs(64, 65536, 128, 576, 2048, cuda))
+@fwd_backends
+def test_fwd_long_context(backend):
+    check_fwd(*inputs(64, 65536, 128, 576, 2048, cuda), backend=backend)
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", [(128, 576, 100, 7, 300), (64, 512, 1000, 5, 1500),
+                                                        (128, 576, 16384, 3, 20000), (64, 576, 5, 9, 40)])
+def test_cuda_fwd_takes_any_topk_up_to_16384(h_q, d_qk, topk, s_q, s_kv):
+    check_fwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.1), backend="cuda")
+
+
+@gpu
+def test_cuda_fwd_70000_query_rows():
+    check_fwd(*inputs(70000, 4096, 64, 576, 64, cuda, invalid=0.1), backend="cuda")
+
+
+@gpu
+def test_cuda_fwd_replays_in_a_cuda_graph():
+    q, kv, indices = inputs(40, 3000, 128, 576, 512, cuda)
+    first = check_fwd(q, kv, indices, backend="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_mla_fwd(q, kv, indices, q.shape[-1] ** -0.5, D_V, backend="cuda")
+    for got in captured:
+        got.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, first):
+        assert torch.equal(got, want)
 
 
 @gpu
@@ -192,6 +232,11 @@ def run_memcheck_case() -> None:
     q, kv, indices = inputs(5, 70, 128, 576, 128, cuda, invalid=0.3, out_of_range=0.3, duplicates=True)
     for deterministic in (False, True):
         check_bwd(q, kv, indices, deterministic)
+    if torch.cuda.get_device_capability() == (9, 0):
+        for d_qk in (576, 512):
+            check_fwd(q[..., :d_qk].contiguous(), kv[..., :d_qk].contiguous(), indices, backend="cuda")
+        empty = kv[:0]
+        check_fwd(q, empty, indices, backend="cuda")
     torch.cuda.synchronize()
     print("memcheck case ran")
 

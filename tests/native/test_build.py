@@ -13,7 +13,7 @@ import torch
 from flashdsa import cli
 from flashdsa.runtime import dispatch, native
 from flashdsa.runtime.indexer import _cuda_topk_supports, indexer_topk
-from flashdsa.runtime.kernels import _cuda_decode_supports, sparse_mla_decode
+from flashdsa.runtime.kernels import _cuda_supports, sparse_mla_decode, sparse_mla_fwd
 
 
 @pytest.mark.parametrize("ext", native.extensions(), ids=lambda e: e.name)
@@ -82,10 +82,10 @@ def test_without_nvcc_the_build_fails_once_with_the_reason(fake_op, monkeypatch)
     assert len(calls) == 1
 
 
-def test_there_is_a_native_extension_for_the_sparse_decode():
+def test_there_is_a_native_extension_for_the_sparse_attention():
     assert "kernels" in [e.op for e in native.extensions()]
     files = {p.name for p in native.Extension("kernels").files()}
-    assert files >= {"sparse_decode.cu", "sparse_decode_op.cpp", "sparse_decode.h"}
+    assert files >= {"sparse_attention.cu", "sparse_attention.h", "sparse_decode_op.cpp", "sparse_fwd_op.cpp"}
 
 
 def test_build_kernels_reports_a_missing_toolchain_in_one_line_per_extension(monkeypatch, capsys):
@@ -105,19 +105,24 @@ def test_cuda_top_k_is_registered_and_refuses_what_it_cannot_serve(monkeypatch):
     assert "topk <= 2048, got 2049" in _cuda_topk_supports(topk=2049)
 
 
-def test_cuda_decode_is_registered_first_and_names_what_it_refuses(monkeypatch):
+def test_cuda_attention_is_registered_first_and_names_what_it_refuses(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert dispatch.available("sparse_mla_decode")[0] == "cuda"
-    facts = dict(dtype=torch.bfloat16, h_q=128, d_v=512, topk=2048)
-    assert _cuda_decode_supports(**facts) == native.unavailable()  # automatic selection picks it where it builds
+    assert dispatch.available("sparse_mla_fwd")[0] == "cuda"
+    facts = dict(dtype=torch.bfloat16, h_q=128, d_qk=576, d_v=512, topk=2048)
+    assert _cuda_supports(**facts) == native.unavailable()  # automatic selection picks it where it builds
+    assert _cuda_supports(**{**facts, "d_qk": 512}) == native.unavailable()
     for bad, message in ((dict(h_q=96), "h_q in (64, 128)"), (dict(topk=16385), "topk <= 16384"),
-                         (dict(d_v=256), "d_v == 512"), (dict(dtype=torch.float32), "bf16")):
-        assert message in _cuda_decode_supports(**{**facts, **bad})
+                         (dict(d_v=256), "d_v == 512"), (dict(d_qk=448), "d_qk in (512, 576)"),
+                         (dict(dtype=torch.float32), "bf16")):
+        assert message in _cuda_supports(**{**facts, **bad})
     q = torch.randn(1, 1, 64, 576).bfloat16()
     cache = torch.zeros(1, 64, 1, 656, dtype=torch.uint8)
     indices = torch.zeros(1, 1, 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="backend 'cuda' cannot run sparse_mla_decode: cuda needs a CUDA device"):
         sparse_mla_decode(q, cache, indices, 0.1, backend="cuda")
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run sparse_mla_fwd: cuda needs a CUDA device"):
+        sparse_mla_fwd(q[0], torch.zeros(64, 1, 576).bfloat16(), indices[0, :, None], 0.1, backend="cuda")
 
 
 def test_extensions_link_the_cpp_runtime_torch_runs_on():

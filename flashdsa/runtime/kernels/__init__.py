@@ -9,9 +9,10 @@ occurrence. A query row with no valid index gets out = 0, lse = +inf, max_logits
 
 Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, any shape),
 ``triton`` (bf16, d_qk 512 or 576, d_v 512, h_q <= 128, topk up to 8192: for the forward and
-backward a multiple of 64), ``cuda`` (decode only, SM90: bf16, h_q 64 or 128, d_v 512, topk up to
-16384; measured faster than ``triton`` at every benchmark shape, so automatic selection picks it
-for decode and for the model's prefill over the FP8 cache).
+backward a multiple of 64), ``cuda`` (decode and forward, SM90: bf16, h_q 64 or 128, d_qk 576 (512
+too for the forward), d_v 512, any topk up to 16384; measured faster than ``triton`` at every
+benchmark shape, so automatic selection picks it for decode, the model's prefill over the FP8
+cache and the forward).
 
 DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
 MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
@@ -40,8 +41,8 @@ TRITON_D_V = 512
 TRITON_MAX_TOPK = 8192
 TRITON_TOPK_MULTIPLE = 64
 TRITON_MAX_HEADS = 128
-CUDA_DECODE_HEADS = (64, 128)  # 64 heads per CTA (cuda/sparse_decode.h)
-CUDA_DECODE_MAX_TOPK = 16384
+CUDA_HEADS = (64, 128)  # 64 heads per CTA (cuda/sparse_attention.h)
+CUDA_MAX_TOPK = 16384
 
 
 def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, topk_multiple: int = 1,
@@ -58,13 +59,14 @@ def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: in
     return None
 
 
-def _cuda_decode_supports(dtype: torch.dtype, h_q: int, d_v: int, topk: int, **_) -> Optional[str]:
-    """Why the native decode cannot serve these shapes, or None when it can (it is the faster choice)."""
+def _cuda_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, **_) -> Optional[str]:
+    """Why the native kernels cannot serve these shapes, or None when they can (they are the faster
+    choice). The decode's d_qk is always the cache's 576; the forward takes 512 too."""
     if dtype != torch.bfloat16:
-        return f"cuda sparse decode takes bf16 queries, got {dtype}"
-    if h_q not in CUDA_DECODE_HEADS or d_v != TRITON_D_V or topk > CUDA_DECODE_MAX_TOPK:
-        return (f"cuda sparse decode needs h_q in {CUDA_DECODE_HEADS}, d_v == {TRITON_D_V} and topk <= "
-                f"{CUDA_DECODE_MAX_TOPK}, got h_q={h_q}, d_v={d_v}, topk={topk}")
+        return f"cuda sparse attention takes bf16 queries, got {dtype}"
+    if h_q not in CUDA_HEADS or d_qk not in TRITON_D_QK or d_v != TRITON_D_V or topk > CUDA_MAX_TOPK:
+        return (f"cuda sparse attention needs h_q in {CUDA_HEADS}, d_qk in {TRITON_D_QK}, d_v == {TRITON_D_V} and "
+                f"topk <= {CUDA_MAX_TOPK}, got h_q={h_q}, d_qk={d_qk}, d_v={d_v}, topk={topk}")
     return native.unavailable()
 
 
@@ -76,7 +78,8 @@ dispatch.register("sparse_mla_decode", "reference", f"{__name__}.reference:spars
 dispatch.register("sparse_mla_decode", "triton", f"{__name__}.triton.sparse_decode:sparse_mla_decode",
                   supports=_triton_supports)  # decode masks the last step: any topk
 dispatch.register("sparse_mla_decode", "cuda", f"{__name__}.cuda.sparse_decode:sparse_mla_decode",
-                  supports=_cuda_decode_supports)
+                  supports=_cuda_supports)
+dispatch.register("sparse_mla_fwd", "cuda", f"{__name__}.cuda.sparse_fwd:sparse_mla_fwd", supports=_cuda_supports)
 
 
 def _name(dtype: torch.dtype) -> str:

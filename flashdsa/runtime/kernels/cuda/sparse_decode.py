@@ -1,4 +1,4 @@
-"""Sparse MLA decode over the FP8 paged cache through the native kernel of ``sparse_decode.cu``
+"""Sparse MLA decode over the FP8 paged cache through the native kernel of ``sparse_attention.cu``
 (one CTA per query row, 64 heads and split of the top-k list: a producer warpgroup gathers and
 dequantizes 64 tokens per stage into shared memory; one consumer warpgroup runs Q K^T, the online
 softmax and half of P V, the other the second half of P V; with 128 heads and splits of at least 4
@@ -19,9 +19,9 @@ from flashdsa.runtime.cache.layout import KV_LORA_RANK
 
 native.load("kernels")
 
-HEADS_PER_CTA = 64  # kSparseDecodeHeadsPerCta of sparse_decode.h
-KEYS_PER_TILE = 64  # kSparseDecodeKeysPerTile: splits are cut at multiples of it
-MAX_SPLITS = 128  # kSparseDecodeMaxSplits
+HEADS_PER_CTA = 64  # kSparseHeadsPerCta of sparse_attention.h
+KEYS_PER_TILE = 64  # kSparseKeysPerTile: splits are cut at multiples of it
+MAX_SPLITS = 128  # kSparseMaxSplits
 MIN_TILES_PER_SPLIT = 2  # a split re-reads the 72 KB of q: at least two tiles of keys amortize it
 
 
@@ -73,7 +73,7 @@ def sparse_mla_decode(
         part_lse = torch.empty(rows, splits, h_q, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out.new_empty(0, dtype=torch.float32)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = torch._C._cuda_getCurrentRawStream(q.device.index)
     torch.ops.flashdsa.sparse_decode_cuda(q.contiguous(), kv_cache.contiguous(), indices.contiguous(), sm_scale,
                                           splits, per_split, out, lse, part_out, part_lse, stream)
     return out, lse

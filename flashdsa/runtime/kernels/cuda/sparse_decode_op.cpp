@@ -1,6 +1,6 @@
 // torch.ops.flashdsa.sparse_decode_cuda: checks every tensor and number, then launches
-// sparse_decode.cu's kernels. CUDA-free on purpose (the stream comes from Python), so it compiles
-// against any torch build.
+// sparse_attention.cu's kernels over the FP8 cache. CUDA-free on purpose (the stream comes from
+// Python), so it compiles against any torch build.
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -8,7 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sparse_decode.h"
+#include "op_checks.h"
+#include "sparse_attention.h"
 
 namespace flashdsa {
 namespace {
@@ -16,19 +17,6 @@ namespace {
 constexpr int64_t kDqk = 576;
 constexpr int64_t kDv = 512;
 constexpr int64_t kTokenBytes = 656;
-
-void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-              " must start on a 16-byte boundary (the kernel reads it with 16-byte loads), got address ",
-              t.data_ptr());
-}
-
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
-                  const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(), name,
-              " must be a contiguous ", dtype, " tensor of shape ", shape, " on ", q.device(), ", got ",
-              t.scalar_type(), " ", t.sizes(), (t.is_contiguous() ? "" : " (not contiguous)"), " on ", t.device());
-}
 
 // q: [b, s_q, h_q, 576] bf16; kv_cache: [num_blocks, block_size, 1, 656] uint8; indices: [b, s_q, topk]
 // int32 slot ids; out: [b, s_q, h_q, 512] bf16; lse: [b, h_q, s_q] fp32. With num_splits > 1,
@@ -38,16 +26,8 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, a
 void sparse_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices, double sm_scale,
                    int64_t num_splits, int64_t tokens_per_split, at::Tensor& out, at::Tensor& lse,
                    at::Tensor& part_out, at::Tensor& part_lse, int64_t stream) {
-  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 4 && q.size(3) == kDqk &&
-                  q.is_contiguous(),
-              "q must be a contiguous CUDA bf16 tensor [b, s_q, h_q, ", kDqk, "], got ", q.scalar_type(), " ",
-              q.sizes(), (q.is_contiguous() ? "" : " (not contiguous)"), " on ", q.device());
+  check_queries(q, 4, [](int64_t d) { return d == kDqk; }, "[b, s_q, h_q, 576]");
   const int64_t b = q.size(0), s_q = q.size(1), h_q = q.size(2), rows = b * s_q;
-  TORCH_CHECK(h_q > 0 && h_q % kSparseDecodeHeadsPerCta == 0 && h_q <= 2 * kSparseDecodeHeadsPerCta,
-              "q must have h_q 64 or 128 (64 heads per CTA), got ", h_q);
-  TORCH_CHECK(s_q <= INT32_MAX && rows * h_q <= INT32_MAX, "q must have s_q and b * s_q * h_q below 2^31, got ",
-              q.sizes());
-  check_aligned(q, "q");
   TORCH_CHECK(kv_cache.device() == q.device() && kv_cache.scalar_type() == at::kByte && kv_cache.dim() == 4 &&
                   kv_cache.size(2) == 1 && kv_cache.size(3) == kTokenBytes && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous uint8 tensor [num_blocks, block_size, 1, ", kTokenBytes, "] on ",
@@ -56,16 +36,15 @@ void sparse_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   if (num_slots > 0) check_aligned(kv_cache, "kv_cache");
   TORCH_CHECK(indices.dim() == 3 && indices.size(0) == b && indices.size(1) == s_q,
               "indices must be [b=", b, ", s_q=", s_q, ", topk], got ", indices.sizes());
+  check_topk(indices);
   const int64_t topk = indices.size(2);
-  TORCH_CHECK(topk >= 1 && topk <= kSparseDecodeMaxTopk, "indices must have topk in [1, ", kSparseDecodeMaxTopk,
-              "], got ", topk);
   check_tensor(indices, "indices", at::kInt, {b, s_q, topk}, q);
   TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be a positive finite number, got ", sm_scale);
-  TORCH_CHECK(num_splits >= 1 && num_splits <= kSparseDecodeMaxSplits, "num_splits must be in [1, ",
-              kSparseDecodeMaxSplits, "], got ", num_splits);
-  TORCH_CHECK(tokens_per_split > 0 && tokens_per_split % kSparseDecodeKeysPerTile == 0 &&
+  TORCH_CHECK(num_splits >= 1 && num_splits <= kSparseMaxSplits, "num_splits must be in [1, ",
+              kSparseMaxSplits, "], got ", num_splits);
+  TORCH_CHECK(tokens_per_split > 0 && tokens_per_split % kSparseKeysPerTile == 0 &&
                   (num_splits - 1) * tokens_per_split < topk && num_splits * tokens_per_split >= topk,
-              "tokens_per_split must be a positive multiple of ", kSparseDecodeKeysPerTile, " whose ", num_splits,
+              "tokens_per_split must be a positive multiple of ", kSparseKeysPerTile, " whose ", num_splits,
               " splits cover topk=", topk, " with none empty, got ", tokens_per_split);
   check_tensor(out, "out", at::kBFloat16, {b, s_q, h_q, kDv}, q);
   check_tensor(lse, "lse", at::kFloat, {b, h_q, s_q}, q);
@@ -73,10 +52,12 @@ void sparse_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     check_tensor(part_out, "part_out", at::kFloat, {rows, num_splits, h_q, kDv}, q);
     check_tensor(part_lse, "part_lse", at::kFloat, {rows, num_splits, h_q}, q);
   }
-  SparseDecodeArgs args{};
+  SparseAttentionArgs args{};
   args.q = q.data_ptr();
-  args.cache = kv_cache.data_ptr<uint8_t>();
-  args.num_slots = num_slots;
+  args.keys = kv_cache.data_ptr();
+  args.format = KeyFormat::kFp8Cache;
+  args.d_qk = static_cast<int>(kDqk);
+  args.num_keys = num_slots;
   args.indices = indices.data_ptr<int32_t>();
   args.rows = rows;
   args.s_q = static_cast<int>(s_q);
@@ -89,7 +70,7 @@ void sparse_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   args.lse = lse.data_ptr<float>();
   args.part_out = num_splits > 1 ? part_out.data_ptr<float>() : nullptr;
   args.part_lse = num_splits > 1 ? part_lse.data_ptr<float>() : nullptr;
-  const char* error = launch_sparse_decode(args, q.device().index(), reinterpret_cast<void*>(stream));
+  const char* error = launch_sparse_attention(args, q.device().index(), reinterpret_cast<void*>(stream));
   TORCH_CHECK(error == nullptr, "sparse_decode_cuda launch failed: ", error);
 }
 

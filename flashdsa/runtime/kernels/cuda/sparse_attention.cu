@@ -1,23 +1,26 @@
-// Sparse MLA decode over the FP8 paged cache (656 B/token) for Hopper (sm_90a).
+// Sparse MLA attention for Hopper (sm_90a): the decode over the FP8 paged cache (656 B/token) and
+// the forward (prefill, training) over bf16 key rows. One kernel body, two key sources.
 //
-// Contract (flashdsa.runtime.kernels.sparse_mla_decode): for each query row (b * s_q of them) and
-// head, softmax(sm_scale * q . k) over the keys its topk slot ids name, applied to the keys' first
-// 512 columns; lse is the natural-log sum-exp of the scaled scores. A slot id outside
-// [0, num_slots) is invalid: never read, no contribution. A row without a valid id gets out = 0,
-// lse = +inf. Keys are dequantized to bf16(e4m3 * tile scale) as FlashMLA and the Triton kernel do.
+// Contract (flashdsa.runtime.kernels.sparse_mla_decode / sparse_mla_fwd): for each query row and
+// head, softmax(sm_scale * q . k) over the keys its topk ids name, applied to the keys' first 512
+// columns; lse is the natural-log sum-exp of the scaled scores (max_logits their maximum). A key id
+// outside [0, num_keys) is invalid: never read, no contribution. A row without a valid id gets
+// out = 0, lse = +inf, max_logits = -inf. FP8 keys are dequantized to bf16(e4m3 * tile scale) as
+// FlashMLA and the Triton kernel do; bf16 keys (d_qk 576 or 512) are used as they are.
 //
 // One CTA takes one query row, 64 heads and one split of the top-k list, in tiles of 64 keys.
 // With h_q = 128 the two head blocks of a (row, split) run as a cluster of two CTAs that share
 // the gather: each gathers half of every tile, and once its half is in its own shared memory it
 // copies it into the peer's with the bulk copy engine (cp.async.bulk, whose bytes count on the
-// peer's FULL barrier). Each token is then read from memory and dequantized once, not twice.
-//  - producer warpgroup (4 warps, few registers): per tile, each warp gathers 16 tokens (8 in a
-//    pair) in batches of KEYS_IN_FLIGHT = 8 (16-byte loads; the next batch's loads are in flight
-//    while one is stored, the slot ids are read a tile ahead), dequantizes the latent to bf16 with
-//    its tile scale and writes the 576-wide bf16 key rows into one of two shared-memory stages
-//    (zeros and a -inf score bias for invalid ids);
+// peer's FULL barrier). Each key is then read from memory (and dequantized) once, not twice.
+//  - producer warpgroup (4 warps, few registers), per tile: FP8 keys: each warp gathers 16 tokens
+//    (8 in a pair) in batches of KEYS_IN_FLIGHT = 8 (16-byte loads; the next batch's loads are in
+//    flight while one is stored, the slot ids are read a tile ahead), dequantizes the latent to
+//    bf16 with its tile scale and writes the 576-wide bf16 key rows into one of two shared-memory
+//    stages; bf16 keys: the warps copy their rows straight into the stage with 16-byte cp.async,
+//    all of a tile's copies in flight at once. Invalid ids give zero rows and a -inf score bias;
 //  - two consumer warpgroups on wgmma, split as FlashMLA's: warpgroup 0 scores all 64 heads against
-//    the tile's 64 keys (S = Q K^T over 576 columns, m64n64k16, both operands in shared memory, so
+//    the tile's 64 keys (S = Q K^T over d_qk columns, m64n64k16, both operands in shared memory, so
 //    Q is read once a tile), runs the online softmax (base 2, in registers), writes P (bf16) and
 //    the rows' rescale factors to shared memory for warpgroup 1, and accumulates P V for value
 //    columns 0..255 with P from registers (m64n256k16, RS); warpgroup 1 accumulates P V for value
@@ -44,7 +47,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "shared_memory_opt_in.cuh"
-#include "sparse_decode.h"
+#include "sparse_attention.h"
 
 namespace flashdsa {
 namespace {
@@ -53,14 +56,14 @@ namespace {
 constexpr int LATENT = 512;           // e4m3 values, 4 quantization tiles of 128
 constexpr int QUANT_TILE = 128;
 constexpr int ROPE = 64;              // bf16 values, not quantized
-constexpr int D_QK = LATENT + ROPE;   // 576
+constexpr int D_QK = LATENT + ROPE;   // 576, the widest key row (shared memory is sized for it)
 constexpr int D_V = LATENT;           // 512
 constexpr int TOKEN_BYTES = 656;
 constexpr int SCALE_OFFSET = 512;
 constexpr int ROPE_OFFSET = 528;
 
-constexpr int HEADS = kSparseDecodeHeadsPerCta;  // query heads per CTA (one per MMA row)
-constexpr int KEYS = kSparseDecodeKeysPerTile;   // keys per pipeline stage
+constexpr int HEADS = kSparseHeadsPerCta;  // query heads per CTA (one per MMA row)
+constexpr int KEYS = kSparseKeysPerTile;   // keys per pipeline stage
 constexpr int STAGES = 2;
 constexpr int PRODUCER_WARPS = 4;
 constexpr int CONSUMER_WARPS = 8;
@@ -168,6 +171,15 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
 // could move the stores past it.)
 __device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// 16 bytes from global `src` to shared `dst` without registers (cp.async; commit and wait apart);
+// with valid false nothing is read and dst gets zeros.
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 // Byte offset of 16-byte chunk `chunk` (8 bf16 columns) of row `row` (of 64) in a buffer of column
 // blocks: block chunk / 8 holds 64 rows of 128 bytes, their chunks XOR-swizzled by (row & 7).
 __device__ __forceinline__ int swizzle(int row, int chunk) {
@@ -266,7 +278,7 @@ struct Work {
   int start, end, tiles;
 };
 
-__device__ __forceinline__ Work work_of(const SparseDecodeArgs& a) {
+__device__ __forceinline__ Work work_of(const SparseAttentionArgs& a) {
   const int head_blocks = a.h_q / HEADS;
   Work w;
   w.head_block = static_cast<int>(blockIdx.x % head_blocks);
@@ -289,7 +301,7 @@ struct Batch {
 
 // Issues the loads of tokens j0..j0 + KEYS_IN_FLIGHT - 1 of the warp, whose checked slot ids (-1:
 // invalid, read as zeros) sit in lanes 0.. of `slot`.
-__device__ __forceinline__ Batch load_batch(const SparseDecodeArgs& a, int slot, int j0, int lane) {
+__device__ __forceinline__ Batch load_batch(const SparseAttentionArgs& a, int slot, int j0, int lane) {
   Batch b;
 #pragma unroll
   for (int j = 0; j < KEYS_IN_FLIGHT; ++j) {
@@ -297,7 +309,7 @@ __device__ __forceinline__ Batch load_batch(const SparseDecodeArgs& a, int slot,
     b.latent[j] = make_uint4(0, 0, 0, 0);
     b.scale[j] = 0.0f;
     if (key_slot >= 0) {  // warp-uniform; only valid slots are dereferenced
-      const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
+      const uint8_t* token = static_cast<const uint8_t*>(a.keys) + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
       b.latent[j] = __ldg(reinterpret_cast<const uint4*>(token) + lane);
       b.scale[j] = __ldg(reinterpret_cast<const float*>(token + SCALE_OFFSET) + lane * 16 / QUANT_TILE);
     }
@@ -307,7 +319,7 @@ __device__ __forceinline__ Batch load_batch(const SparseDecodeArgs& a, int slot,
     const int key_slot = __shfl_sync(0xffffffffu, slot, j0 + ROPE_KEYS_PER_LOAD * i + lane / ROPE_CHUNKS);
     b.rope[i] = make_uint4(0, 0, 0, 0);
     if (key_slot >= 0) {
-      const uint8_t* token = a.cache + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
+      const uint8_t* token = static_cast<const uint8_t*>(a.keys) + static_cast<int64_t>(key_slot) * TOKEN_BYTES;
       b.rope[i] = __ldg(reinterpret_cast<const uint4*>(token + ROPE_OFFSET) + lane % ROPE_CHUNKS);
     }
   }
@@ -330,59 +342,125 @@ __device__ __forceinline__ void store_batch(const Batch& b, uint8_t* rows, int f
   }
 }
 
-// Producer warp `warp` (0..3): the scores' bias of keys 16 * warp .. 16 * warp + 15 of every tile,
-// and the gather of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), in batches of
-// KEYS_IN_FLIGHT tokens. The loads of the next batch are in flight while a batch is stored (so the
-// first batch of a tile is on its way before its stage is free), and the slot ids are read a tile
-// ahead.
+// A producer lane's key ids: the current tile's (checked, -1 when invalid) and the next tile's
+// (raw, read a tile ahead so that their loads are off the critical path). `bias_key` of every tile
+// sets the scores' bias; `gather_key` is the key the lane's warp gathers.
+struct LaneIds {
+  const int32_t* ids;
+  int start, end, tiles, bias_key, gather_key;
+  int64_t num_keys;
+  int bias, gather, next_bias, next_gather;
+
+  __device__ __forceinline__ LaneIds(const SparseAttentionArgs& a, const Work& w, int bias_key_, int gather_key_)
+      : ids(a.indices + w.row * a.topk), start(w.start), end(w.end), tiles(w.tiles), bias_key(bias_key_),
+        gather_key(gather_key_), num_keys(a.num_keys) {
+    bias = checked(read(0, bias_key));
+    gather = checked(read(0, gather_key));
+    next_bias = read(1, bias_key);
+    next_gather = read(1, gather_key);
+  }
+  __device__ __forceinline__ int read(int t, int key) const {
+    const int pos = start + t * KEYS + key;
+    return t < tiles && pos < end ? ids[pos] : -1;
+  }
+  __device__ __forceinline__ int checked(int id) const { return id >= 0 && id < num_keys ? id : -1; }
+  // Tile t + 1's ids become current; tile t + 2's are read.
+  __device__ __forceinline__ void advance(int t) {
+    bias = checked(next_bias);
+    gather = checked(next_gather);
+    next_bias = read(t + 2, bias_key);
+    next_gather = read(t + 2, gather_key);
+  }
+};
+
+// Waits until the pair's consumers are done with tile t - STAGES's stage, then sets tile t's score bias.
+__device__ __forceinline__ void claim_stage(Shared& s, const LaneIds& ids, int t, int stage, int lane) {
+  if (t >= STAGES) Barrier::wait(&s.empty[stage], ((t / STAGES) & 1) ^ 1);
+  if (lane < 16) s.bias[stage][ids.bias_key] = ids.bias >= 0 ? 0.0f : -INFINITY;
+}
+
+// This thread's part of the stage is stored: fence it to wgmma; in a pair, once every producer of
+// the CTA is done, send the CTA's half of the tile (its rows of each column block) to the peer,
+// whose FULL barrier counts the bytes; then arrive on FULL.
+template <int DQK, int PAIR>
+__device__ __forceinline__ void hand_over_stage(Shared& s, int stage, int rank) {
+  fence_to_wgmma();
+  if constexpr (PAIR > 1) {
+    bar_sync(BAR_PRODUCERS, PRODUCER_THREADS);
+    if (threadIdx.x == 0) Barrier::expect_transaction(&s.full[stage], KEYS / PAIR * DQK * 2);
+    if (threadIdx.x < DQK / BLOCK_COLS)
+      copy_to_peer(s.k[stage][threadIdx.x] + rank * (KEYS / PAIR) * 128, rank ^ 1, KEYS / PAIR * 128, &s.full[stage]);
+  }
+  Barrier::arrive(&s.full[stage]);
+}
+
+// FP8 keys. Producer warp `warp` (0..3): the scores' bias of keys 16 * warp .. 16 * warp + 15 of
+// every tile, and the gather of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), in
+// batches of KEYS_IN_FLIGHT tokens. The loads of the next batch are in flight while a batch is
+// stored (so the first batch of a tile is on its way before its stage is free).
 template <int PAIR>
-__device__ void produce(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+__device__ void produce_fp8(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
   constexpr int per_warp = KEYS / PAIR / PRODUCER_WARPS;  // 16, or 8 in a pair
   constexpr int batches = per_warp / KEYS_IN_FLIGHT;      // per tile
-  constexpr uint32_t peer_bytes = KEYS / PAIR * D_QK * 2;   // what the peer copies into each stage
   static_assert(per_warp <= 16 && per_warp % KEYS_IN_FLIGHT == 0,
                 "a producer warp's slot ids sit in lanes 0..15, taken KEYS_IN_FLIGHT at a time");
   if (w.tiles == 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int first = rank * (KEYS / PAIR) + warp * per_warp;
-  const int32_t* ids = a.indices + w.row * a.topk;
-  const int bias_key = KEYS_PER_PRODUCER_WARP * warp + lane % 16, gather_key = first + lane % per_warp;
-  const auto read_id = [&](int t, int key) {  // raw: checked when used, a tile later
-    const int pos = w.start + t * KEYS + key;
-    return t < w.tiles && pos < w.end ? ids[pos] : -1;
-  };
-  const auto checked = [&](int slot) { return slot >= 0 && slot < a.num_slots ? slot : -1; };
-  int bias_slot = checked(read_id(0, bias_key)), slot = checked(read_id(0, gather_key));
-  int next_bias = read_id(1, bias_key), next_slot = read_id(1, gather_key);
-  Batch batch = load_batch(a, slot, 0, lane);
+  LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, first + lane % per_warp);
+  Batch batch = load_batch(a, ids.gather, 0, lane);
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    uint8_t* rows = s.k[stage][0];
-    if (t >= STAGES) Barrier::wait(&s.empty[stage], ((t / STAGES) & 1) ^ 1);
-    if (lane < 16) s.bias[stage][bias_key] = bias_slot >= 0 ? 0.0f : -INFINITY;
+    claim_stage(s, ids, t, stage, lane);
 #pragma unroll
     for (int i = 0; i < batches; ++i) {
       Batch next;
       if (i + 1 < batches) {
-        next = load_batch(a, slot, (i + 1) * KEYS_IN_FLIGHT, lane);
-      } else {  // the next tile's first batch
-        bias_slot = checked(next_bias);
-        slot = checked(next_slot);
-        next_bias = read_id(t + 2, bias_key);
-        next_slot = read_id(t + 2, gather_key);
-        next = load_batch(a, slot, 0, lane);  // all slots -1 past the last tile: no loads
+        next = load_batch(a, ids.gather, (i + 1) * KEYS_IN_FLIGHT, lane);
+      } else {  // the next tile's first batch (all ids -1 past the last tile: no loads)
+        ids.advance(t);
+        next = load_batch(a, ids.gather, 0, lane);
       }
-      store_batch(batch, rows, first + i * KEYS_IN_FLIGHT, lane);
+      store_batch(batch, s.k[stage][0], first + i * KEYS_IN_FLIGHT, lane);
       batch = next;
     }
-    fence_to_wgmma();
-    if constexpr (PAIR > 1) {  // this CTA's half of the tile, row block by row block, to the peer
-      bar_sync(BAR_PRODUCERS, PRODUCER_THREADS);
-      if (threadIdx.x == 0) Barrier::expect_transaction(&s.full[stage], peer_bytes);
-      if (threadIdx.x < D_QK / BLOCK_COLS)
-        copy_to_peer(s.k[stage][threadIdx.x] + rank * (KEYS / PAIR) * 128, rank ^ 1, KEYS / PAIR * 128, &s.full[stage]);
+    hand_over_stage<D_QK, PAIR>(s, stage, rank);
+  }
+}
+
+// bf16 keys, DQK wide. Producer warp `warp`: per tile, the scores' bias as for FP8 keys and the rows
+// of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), copied straight into the stage
+// with 16-byte cp.async (zero-filled for invalid ids, which are never read): lanes_per_key lanes
+// take a row, lane l its chunks l % lanes_per_key + lanes_per_key * k. The warp's whole share of a
+// tile is in flight at once, and the next tile's ids load meanwhile.
+template <int DQK, int PAIR>
+__device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
+  constexpr int per_warp = KEYS / PAIR / PRODUCER_WARPS;  // 16, or 8 in a pair
+  constexpr int lanes_per_key = 32 / per_warp;
+  constexpr int row_chunks = DQK * 2 / 16;
+  static_assert(32 % per_warp == 0 && row_chunks % lanes_per_key == 0 && 8 % lanes_per_key == 0,
+                "a row's chunks split evenly over its lanes, each lane's chunk staying in its 8-chunk group");
+  if (w.tiles == 0) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int first = rank * (KEYS / PAIR) + warp * per_warp, key = first + lane / lanes_per_key;
+  const int part = lane % lanes_per_key;
+  LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, key);
+  const uint8_t* keys = static_cast<const uint8_t*>(a.keys);
+  for (int t = 0; t < w.tiles; ++t) {
+    const int stage = t % STAGES;
+    claim_stage(s, ids, t, stage, lane);
+    const uint8_t* src = keys + static_cast<int64_t>(max(ids.gather, 0)) * (DQK * 2) + part * 16;
+    uint8_t* dst = s.k[stage][0] + key * 128;
+#pragma unroll
+    for (int k = 0; k < row_chunks / lanes_per_key; ++k) {  // chunk c = lanes_per_key * k + part: swizzle(key, c)
+      const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
+      copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
+                    src + lanes_per_key * k * 16, ids.gather >= 0);
     }
-    Barrier::arrive(&s.full[stage]);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    ids.advance(t);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    hand_over_stage<DQK, PAIR>(s, stage, rank);
   }
 }
 
@@ -414,14 +492,14 @@ __device__ __forceinline__ void rescale(float (&acc)[O_TILES][4], const float (&
 }
 
 // The consumers' last step: value columns 256c.. of acc * inv for rows g, g + 8 of consumer warp
-// (r, c), and (warpgroup 0) the rows' lse. With one split the bf16 rows go through the Q buffer
+// (r, c). With one split the bf16 rows go through the Q buffer
 // (free once the last scores are done): each warp stores its fragments there, then all consumer
 // threads copy the CTA's 64 contiguous output rows out in 16-byte chunks, whole lines at a time
 // (the fragments' own 4-byte stores, 16 bytes to a row per instruction, took ~8 us of a 96 us
 // decode at b=64). fp32 partials (splits > 1) are stored from the fragments, 32 bytes to a row.
-__device__ __forceinline__ void store_output(const SparseDecodeArgs& a, const Work& w, Shared& s,
-                                             const float (&acc)[O_TILES][4], const float (&inv)[2],
-                                             const float (&lse)[2], int r, int c, int lane) {
+__device__ __forceinline__ void store_output(const SparseAttentionArgs& a, const Work& w, Shared& s,
+                                             const float (&acc)[O_TILES][4], const float (&inv)[2], int r, int c,
+                                             int lane) {
   const int g = lane >> 2, t4 = lane & 3;
   const bool direct = a.splits == 1;
   const int col0 = V_COLS_PER_WARP * c + 2 * t4;
@@ -433,17 +511,12 @@ __device__ __forceinline__ void store_output(const SparseDecodeArgs& a, const Wo
 #pragma unroll
       for (int n = 0; n < O_TILES; ++n)
         *reinterpret_cast<uint32_t*>(row + 16 * n) = pack_bf16(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
-      if (c == 0 && t4 == 0) {
-        const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
-        a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse[i];
-      }
     } else {
       const int64_t part = (w.row * a.splits + w.split) * a.h_q + head;
       float* out = a.part_out + part * D_V + col0;
 #pragma unroll
       for (int n = 0; n < O_TILES; ++n)
         *reinterpret_cast<float2*>(out + 8 * n) = make_float2(acc[n][2 * i] * inv[i], acc[n][2 * i + 1] * inv[i]);
-      if (c == 0 && t4 == 0) a.part_lse[part] = lse[i];
     }
   }
   if (direct) {
@@ -457,12 +530,36 @@ __device__ __forceinline__ void store_output(const SparseDecodeArgs& a, const Wo
   }
 }
 
+// Warpgroup 0's last step, rows g, g + 8 of warp r: 1 / sum for warpgroup 1 (shared memory), the
+// lse and (the forward) max_logits, or the split's partial lse. m is the rows' base-2 maximum, l
+// the thread's share of their sums.
+__device__ __forceinline__ void finish_rows(const SparseAttentionArgs& a, const Work& w, Shared& s, const float (&m)[2],
+                                            const float (&l)[2], float (&inv)[2], int r, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float total = quad_sum(l[i]);
+    const int local = 16 * r + g + 8 * i, head = w.head_block * HEADS + local;
+    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
+    const float lse = total > 0.0f ? (m[i] + log2f(total)) * LN2 : INFINITY;
+    if (t4 != 0) continue;
+    s.inv_sum[local] = inv[i];
+    if (a.splits == 1) {
+      const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
+      a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse;
+      if (a.max_logits != nullptr) a.max_logits[w.row * a.h_q + head] = total > 0.0f ? m[i] * LN2 : -INFINITY;
+    } else {  // a partial without keys weighs 0 in the combine
+      a.part_lse[(w.row * a.splits + w.split) * a.h_q + head] = total > 0.0f ? lse : -INFINITY;
+    }
+  }
+}
+
 // Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys
-// (S = Q K^T over 576 columns, m64n64k16, both operands in shared memory), the online softmax in
+// (S = Q K^T over DQK columns, m64n64k16, both operands in shared memory), the online softmax in
 // base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through shared memory, and
 // O += P V for value columns 0..255 with P from registers (m64n256k16, RS).
-template <int PAIR>
-__device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+template <int DQK, int PAIR>
+__device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
   const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
   float acc[O_TILES][4];
@@ -484,7 +581,7 @@ __device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w,
     fence_fragments(sc);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < D_QK / 16; ++kk) {
+    for (int kk = 0; kk < DQK / 16; ++kk) {
       const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
       wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
     }
@@ -557,24 +654,16 @@ __device__ void score_and_lower_values(const SparseDecodeArgs& a, const Work& w,
     release_stage<PAIR>(s, w, t, stage, rank);
   }
 
-  // out = acc / sum and lse = ln(sum) + max; warpgroup 1 takes 1 / sum from shared memory.
-  float inv[2], lse[2];
-  const float empty_lse = a.splits == 1 ? INFINITY : -INFINITY;  // a partial without keys weighs 0 in the combine
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float total = quad_sum(l[i]);
-    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
-    lse[i] = total > 0.0f ? (m[i] + log2f(total)) * LN2 : empty_lse;
-    if (t4 == 0) s.inv_sum[16 * r + g + 8 * i] = inv[i];
-  }
-  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
-  store_output(a, w, s, acc, inv, lse, r, 0, lane);
+  float inv[2];
+  finish_rows(a, w, s, m, l, inv, r, lane);
+  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // warpgroup 1 takes 1 / sum from shared memory
+  store_output(a, w, s, acc, inv, r, 0, lane);
 }
 
 // Warpgroup 1 (warp r: heads 16r..16r+15): per tile, once warpgroup 0 has written P and the rescale
 // factors, O += P V for value columns 256..511 (m64n256k16, P and V from shared memory).
 template <int PAIR>
-__device__ void upper_values(const SparseDecodeArgs& a, const Work& w, Shared& s, int rank) {
+__device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
   const int g = lane >> 2;
   float acc[O_TILES][4];
@@ -602,32 +691,41 @@ __device__ void upper_values(const SparseDecodeArgs& a, const Work& w, Shared& s
 
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
   const float inv[2] = {s.inv_sum[16 * r + g], s.inv_sum[16 * r + g + 8]};
-  const float unused[2] = {0.0f, 0.0f};  // warpgroup 0 writes the lse
-  store_output(a, w, s, acc, inv, unused, r, 1, lane);
+  store_output(a, w, s, acc, inv, r, 1, lane);
 }
 
-// The CTA's 64 query rows into shared memory (bf16, swizzled) by both consumer warpgroups, as
-// 16-byte asynchronous copies that are all in flight at once (plain loads and stores would wait
-// for each load in turn: the compiler cannot move a load past a store that may alias it).
-__device__ __forceinline__ void load_q(const SparseDecodeArgs& a, const Work& w, Shared& s) {
+// The CTA's 64 query rows (DQK wide) into shared memory (bf16, swizzled) by both consumer
+// warpgroups, as 16-byte asynchronous copies that are all in flight at once (plain loads and stores
+// would wait for each load in turn: the compiler cannot move a load past a store that may alias it).
+template <int DQK>
+__device__ __forceinline__ void load_q(const SparseAttentionArgs& a, const Work& w, Shared& s) {
   const int tid = threadIdx.x - PRODUCER_THREADS;
-  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * D_QK;
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + (w.row * a.h_q + w.head_block * HEADS) * DQK;
 #pragma unroll
-  for (int i = tid; i < HEADS * D_QK / 8; i += CONSUMER_THREADS) {
-    const int head = i / (D_QK / 8), chunk = i % (D_QK / 8);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                     static_cast<uint32_t>(__cvta_generic_to_shared(s.q[0] + swizzle(head, chunk)))),
-                 "l"(q + static_cast<int64_t>(head) * D_QK + chunk * 8)
-                 : "memory");
+  for (int i = tid; i < HEADS * DQK / 8; i += CONSUMER_THREADS) {
+    const int head = i / (DQK / 8), chunk = i % (DQK / 8);
+    copy_async_16(s.q[0] + swizzle(head, chunk), q + static_cast<int64_t>(head) * DQK + chunk * 8, true);
   }
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
   fence_to_wgmma();
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }
 
+// The key sources: the FP8 cache's 656-byte tokens, or bf16 rows DQK wide.
+struct Fp8Keys {
+  static constexpr bool kFp8 = true;
+  static constexpr int kDqk = D_QK;
+};
+template <int DQK>
+struct Bf16Keys {
+  static constexpr bool kFp8 = false;
+  static constexpr int kDqk = DQK;
+  static_assert(DQK % BLOCK_COLS == 0 && DQK >= D_V && DQK <= D_QK, "whole column blocks, V inside, fits the stages");
+};
+
 // PAIR = 2: the CTAs of head blocks 2i and 2i + 1 form a cluster (launched with cluster dims 2).
-template <int PAIR>
-__global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constant__ SparseDecodeArgs args) {
+template <class Keys, int PAIR>
+__global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_constant__ SparseAttentionArgs args) {
   extern __shared__ __align__(128) uint8_t smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
   const Work w = work_of(args);
@@ -643,21 +741,22 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
   else __syncthreads();
   if (threadIdx.x < PRODUCER_THREADS) {
     cutlass::arch::warpgroup_reg_dealloc<PRODUCER_REGS>();
-    produce<PAIR>(args, w, s, rank);
+    if constexpr (Keys::kFp8) produce_fp8<PAIR>(args, w, s, rank);
+    else produce_bf16<Keys::kDqk, PAIR>(args, w, s, rank);
   } else if (threadIdx.x < PRODUCER_THREADS + WARPGROUP_THREADS) {
     cutlass::arch::warpgroup_reg_alloc<SCORE_REGS>();
-    load_q(args, w, s);
-    score_and_lower_values<PAIR>(args, w, s, rank);
+    load_q<Keys::kDqk>(args, w, s);
+    score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
   } else {
     cutlass::arch::warpgroup_reg_dealloc<VALUE_REGS>();
-    load_q(args, w, s);
+    load_q<Keys::kDqk>(args, w, s);
     upper_values<PAIR>(args, w, s, rank);
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
 }
 
 // One CTA per (row, head): out = sum_s exp(lse_s - lse) out_s, lse = ln sum_s exp(lse_s).
-__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const __grid_constant__ SparseDecodeArgs a) {
+__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const __grid_constant__ SparseAttentionArgs a) {
   const int64_t row = blockIdx.x / a.h_q;
   const int head = static_cast<int>(blockIdx.x % a.h_q);
   const float* lse_s = a.part_lse + row * a.splits * a.h_q + head;  // split s at lse_s[s * h_q]
@@ -687,27 +786,16 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const __grid_c
   }
 }
 
-}  // namespace
-
-const char* launch_sparse_decode(const SparseDecodeArgs& args, int device, void* stream) {
-  if (args.rows == 0) return nullptr;
-  if (args.h_q % HEADS != 0 || args.splits < 1 || args.splits > kSparseDecodeMaxSplits ||
-      args.tokens_per_split % KEYS != 0 || args.topk < 1 || args.topk > kSparseDecodeMaxTopk)
-    return "sparse decode: unsupported h_q, splits, tokens_per_split or topk (the op checks these first)";
-  const int64_t ctas = args.rows * (args.h_q / HEADS) * args.splits;
-  if (ctas > 0x7fffffff) return "sparse decode: more than 2^31 - 1 CTAs";
-  int previous = 0;
-  cudaError_t err = cudaGetDevice(&previous);
-  if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+// Launches attention_kernel<Keys, pair> and, for splits > 1, the combine.
+template <class Keys>
+cudaError_t launch(const SparseAttentionArgs& args, int device, cudaStream_t stream, int64_t ctas) {
   const int bytes = sizeof(Shared);
   // Head blocks in pairs share the gather, where a split is long enough to repay the cluster's
   // extra latency (a bulk copy and a producer barrier per tile).
   const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
-  const auto kernel = pair ? decode_kernel<2> : decode_kernel<1>;
-  err = pair ? opt_in_shared_memory<decode_kernel<2>>(bytes, device)
-             : opt_in_shared_memory<decode_kernel<1>>(bytes, device);
+  const auto kernel = pair ? attention_kernel<Keys, 2> : attention_kernel<Keys, 1>;
+  cudaError_t err = pair ? opt_in_shared_memory<attention_kernel<Keys, 2>>(bytes, device)
+                         : opt_in_shared_memory<attention_kernel<Keys, 1>>(bytes, device);
   if (err == cudaSuccess) {
     cudaLaunchAttribute cluster{};
     cluster.id = cudaLaunchAttributeClusterDimension;
@@ -717,15 +805,40 @@ const char* launch_sparse_decode(const SparseDecodeArgs& args, int device, void*
     config.gridDim = dim3(static_cast<unsigned>(ctas));
     config.blockDim = dim3(THREADS);
     config.dynamicSmemBytes = bytes;
-    config.stream = cuda_stream;
+    config.stream = stream;
     config.attrs = &cluster;
     config.numAttrs = 1;
     err = cudaLaunchKernelEx(&config, kernel, args);
   }
   if (err == cudaSuccess && args.splits > 1) {
-    combine_kernel<<<static_cast<unsigned>(args.rows * args.h_q), COMBINE_THREADS, 0, cuda_stream>>>(args);
+    combine_kernel<<<static_cast<unsigned>(args.rows * args.h_q), COMBINE_THREADS, 0, stream>>>(args);
     err = cudaGetLastError();
   }
+  return err;
+}
+
+}  // namespace
+
+const char* launch_sparse_attention(const SparseAttentionArgs& args, int device, void* stream) {
+  if (args.rows == 0) return nullptr;
+  if (args.h_q % HEADS != 0 || args.splits < 1 || args.splits > kSparseMaxSplits ||
+      args.tokens_per_split % KEYS != 0 || args.topk < 1 || args.topk > kSparseMaxTopk ||
+      (args.max_logits != nullptr && args.splits > 1))
+    return "sparse attention: unsupported h_q, splits, tokens_per_split, topk or max_logits with splits "
+           "(the ops check these first)";
+  const bool fp8 = args.format == KeyFormat::kFp8Cache;
+  if ((fp8 && args.d_qk != D_QK) || (!fp8 && args.d_qk != D_QK && args.d_qk != D_V))
+    return "sparse attention: d_qk must be 576 (FP8 cache) or 512 / 576 (bf16 keys)";
+  const int64_t ctas = args.rows * (args.h_q / HEADS) * args.splits;
+  if (ctas > 0x7fffffff) return "sparse attention: more than 2^31 - 1 CTAs";
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  if (fp8) err = launch<Fp8Keys>(args, device, cuda_stream, ctas);
+  else if (args.d_qk == D_QK) err = launch<Bf16Keys<D_QK>>(args, device, cuda_stream, ctas);
+  else err = launch<Bf16Keys<D_V>>(args, device, cuda_stream, ctas);
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
