@@ -71,12 +71,7 @@ constexpr int PRODUCER_THREADS = 32 * PRODUCER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
 constexpr int WARPGROUP_THREADS = 128;
-// setmaxnreg: 128 * (144 + 200 + 160) = 384 * 168, the launch's. The producer holds two batches of
-// tokens; warpgroup 0 holds the scores (64 x 64 fp32) beside its half of O (ptxas, nvcc 13.0 and
-// 13.5: no spills at these, spills with warpgroup 0 at 192 or warpgroup 1 at 152).
-constexpr int PRODUCER_REGS = 144;
-constexpr int SCORE_REGS = 200;
-constexpr int VALUE_REGS = 160;
+constexpr int LAUNCH_REGS = 168;  // a thread's registers at 384 threads, one CTA an SM (setmaxnreg moves them)
 constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16: each warp's share of the scores' bias
 constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
 constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
@@ -103,10 +98,7 @@ static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0
 static_assert(TOKEN_BYTES % 16 == 0 && ROPE_OFFSET % 16 == 0 && SCALE_OFFSET % 4 == 0,
               "tokens are gathered with 16-byte loads");
 static_assert(D_V % (4 * COMBINE_THREADS) == 0 || D_V == 4 * COMBINE_THREADS, "combine: 4 columns per thread");
-static_assert(WARPGROUP_THREADS * (PRODUCER_REGS + SCORE_REGS + VALUE_REGS) <= THREADS * 168 &&
-                  PRODUCER_REGS % 8 == 0 && SCORE_REGS % 8 == 0 && VALUE_REGS % 8 == 0 &&
-                  PRODUCER_THREADS == WARPGROUP_THREADS,
-              "setmaxnreg budget: the registers the launch holds (168 a thread at 384 threads, one CTA an SM)");
+static_assert(PRODUCER_THREADS == WARPGROUP_THREADS, "one producer warpgroup");
 
 struct Shared {
   alignas(1024) uint8_t q[D_QK / BLOCK_COLS][BLOCK_BYTES];          // the CTA's 64 query rows, bf16
@@ -115,6 +107,8 @@ struct Shared {
   float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
   float alpha[HEADS];                                               // the rows' rescale factors of the current tile
   float inv_sum[HEADS];                                             // 1 / the rows' sums, at the end
+  float row_max[HEADS];                                             // seesaw: the rows' maxima, handed over
+  float part_sum[2][HEADS];                                         // seesaw: each warpgroup's share of the sums
   uint64_t full[STAGES];                                            // the stage's keys are in place
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
 };
@@ -134,6 +128,12 @@ constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
 constexpr int BAR_P_READY = 3;
 constexpr int BAR_P_FREE = 4;
+// The seesaw consumers (bf16 keys): the rows' maxima after the first warpgroup's tile, then after
+// the second's; each warpgroup's P of the pair of tiles in shared memory.
+constexpr int BAR_MAX_FIRST = 5;
+constexpr int BAR_MAX_SECOND = 6;
+constexpr int BAR_P_FIRST = 7;
+constexpr int BAR_P_SECOND = 8;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
 // Named barriers, unaligned forms: the warps of a barrier reach it from different role branches
@@ -270,7 +270,8 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// The CTA's work: query row, head block, split and its [start, end) of the top-k list.
+// The CTA's work: query row, head block, split, its [start, end) of the top-k list and the tiles
+// of 64 keys that cover it (an even count for the seesaw consumers: the last may be all padding).
 struct Work {
   int64_t row;
   int head_block;
@@ -278,7 +279,7 @@ struct Work {
   int start, end, tiles;
 };
 
-__device__ __forceinline__ Work work_of(const SparseAttentionArgs& a) {
+__device__ __forceinline__ Work work_of(const SparseAttentionArgs& a, bool even_tiles) {
   const int head_blocks = a.h_q / HEADS;
   Work w;
   w.head_block = static_cast<int>(blockIdx.x % head_blocks);
@@ -287,6 +288,7 @@ __device__ __forceinline__ Work work_of(const SparseAttentionArgs& a) {
   w.start = w.split * a.tokens_per_split;
   w.end = min(w.start + a.tokens_per_split, a.topk);
   w.tiles = w.end > w.start ? (w.end - w.start + KEYS - 1) / KEYS : 0;
+  if (even_tiles) w.tiles += w.tiles & 1;
   return w;
 }
 
@@ -530,106 +532,164 @@ __device__ __forceinline__ void store_output(const SparseAttentionArgs& a, const
   }
 }
 
-// Warpgroup 0's last step, rows g, g + 8 of warp r: 1 / sum for warpgroup 1 (shared memory), the
-// lse and (the forward) max_logits, or the split's partial lse. m is the rows' base-2 maximum, l
-// the thread's share of their sums.
-__device__ __forceinline__ void finish_rows(const SparseAttentionArgs& a, const Work& w, Shared& s, const float (&m)[2],
-                                            const float (&l)[2], float (&inv)[2], int r, int lane) {
-  const int g = lane >> 2, t4 = lane & 3;
+// The rows' lse and (the forward) max_logits, or the split's partial lse, for rows g, g + 8 of warp r
+// given their base-2 maxima m and their whole sums.
+__device__ __forceinline__ void store_row_stats(const SparseAttentionArgs& a, const Work& w, const float (&m)[2],
+                                                const float (&total)[2], int r, int lane) {
+  if ((lane & 3) != 0) return;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float total = quad_sum(l[i]);
-    const int local = 16 * r + g + 8 * i, head = w.head_block * HEADS + local;
-    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
-    const float lse = total > 0.0f ? (m[i] + log2f(total)) * LN2 : INFINITY;
-    if (t4 != 0) continue;
-    s.inv_sum[local] = inv[i];
+    const int head = w.head_block * HEADS + 16 * r + (lane >> 2) + 8 * i;
+    const float lse = total[i] > 0.0f ? (m[i] + log2f(total[i])) * LN2 : INFINITY;
     if (a.splits == 1) {
       const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
       a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse;
-      if (a.max_logits != nullptr) a.max_logits[w.row * a.h_q + head] = total > 0.0f ? m[i] * LN2 : -INFINITY;
+      if (a.max_logits != nullptr) a.max_logits[w.row * a.h_q + head] = total[i] > 0.0f ? m[i] * LN2 : -INFINITY;
     } else {  // a partial without keys weighs 0 in the combine
-      a.part_lse[(w.row * a.splits + w.split) * a.h_q + head] = total > 0.0f ? lse : -INFINITY;
+      a.part_lse[(w.row * a.splits + w.split) * a.h_q + head] = total[i] > 0.0f ? lse : -INFINITY;
     }
   }
 }
 
-// Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys
-// (S = Q K^T over DQK columns, m64n64k16, both operands in shared memory), the online softmax in
-// base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through shared memory, and
-// O += P V for value columns 0..255 with P from registers (m64n256k16, RS).
+// S = Q K^T over DQK columns: the 64 heads against the 64 keys of `stage` (m64n64k16, both operands
+// in shared memory, 16 columns a step: a column block is 4 steps of 32 bytes; descriptors count
+// 16-byte units). The first step overwrites sc.
+template <int DQK>
+__device__ __forceinline__ void score_tile(Shared& s, int stage, float (&sc)[S_TILES][4]) {
+  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024), k_desc = sw128_desc(s.k[stage][0], 16, 1024);
+  fence_fragments(sc);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kk = 0; kk < DQK / 16; ++kk) {
+    const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
+    wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+  fence_fragments(sc);
+}
+
+// Scales the scores to base 2 and masks invalid keys (bias -inf); returns the rows' maxima over the
+// tile (a row's 64 keys sit in the 4 lanes of a quad). Accumulator fragment j: rows g and g + 8,
+// keys 8j + 2t4 (+1).
+__device__ __forceinline__ void scale_and_mask(float (&sc)[S_TILES][4], const float* bias, float scale_log2,
+                                               float (&tile_max)[2], int t4) {
+  tile_max[0] = tile_max[1] = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < S_TILES; ++j) {
+    const float2 b = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * t4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sc[j][e] = sc[j][e] * scale_log2 + ((e & 1) ? b.y : b.x);
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
+    }
+  }
+  tile_max[0] = quad_max(tile_max[0]);
+  tile_max[1] = quad_max(tile_max[1]);
+}
+
+// The exponent base of a row whose running maximum is m: a row with nothing valid yet (m = -inf)
+// takes 0, so that its weights exp2(-inf - 0) are 0 and its rescale factors finite.
+__device__ __forceinline__ float exponent_base(float m) { return m == -INFINITY ? 0.0f : m; }
+
+// sc = exp2(sc - base) row by row; adds the thread's share of the rows' sums to sum.
+__device__ __forceinline__ void exponentiate(float (&sc)[S_TILES][4], const float (&base)[2], float (&sum)[2]) {
+#pragma unroll
+  for (int j = 0; j < S_TILES; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sc[j][e] = exp2_approx(sc[j][e] - base[e >> 1]);
+      sum[e >> 1] += sc[j][e];
+    }
+}
+
+// P = sc * scale (per row) in bf16, packed as wgmma's A fragments: p[j][0] rows g, p[j][1] rows g + 8.
+__device__ __forceinline__ void pack_p(const float (&sc)[S_TILES][4], const float (&scale)[2], uint32_t (&p)[S_TILES][2]) {
+#pragma unroll
+  for (int j = 0; j < S_TILES; ++j) {
+    p[j][0] = pack_bf16(sc[j][0] * scale[0], sc[j][1] * scale[0]);
+    p[j][1] = pack_bf16(sc[j][2] * scale[1], sc[j][3] * scale[1]);
+  }
+}
+
+// Writes warp r's P fragments into a 64 x 64 bf16 tile in shared memory (swizzled, one column block).
+__device__ __forceinline__ void store_p(uint8_t* tile, const uint32_t (&p)[S_TILES][2], int r, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int j = 0; j < S_TILES; ++j) {
+    *reinterpret_cast<uint32_t*>(tile + swizzle(16 * r + g, j) + 4 * t4) = p[j][0];
+    *reinterpret_cast<uint32_t*>(tile + swizzle(16 * r + g + 8, j) + 4 * t4) = p[j][1];
+  }
+}
+
+// Issues acc += P V over a tile's 64 keys with P from registers (m64n256k16, RS), V = 256 value
+// columns (MN-major, read in place from the key rows) at v_desc; 16 keys (2048 bytes of V rows) a
+// step, A fragment ks = keys 16ks.. of rows g (p[2ks][0], p[2ks + 1][0]) and g + 8. Commits it.
+__device__ __forceinline__ void issue_values_rs(uint32_t (&p)[S_TILES][2], uint64_t v_desc, float (&acc)[O_TILES][4]) {
+  fence_fragments(acc);
+#pragma unroll
+  for (int j = 0; j < S_TILES; ++j) cute::warpgroup_fence_operand(p[j][0]), cute::warpgroup_fence_operand(p[j][1]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < KEYS / 16; ++ks)
+    wgmma_rs<LowerOutputMma>({p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]}, v_desc + ks * 128, acc);
+  cute::warpgroup_commit_batch();
+}
+
+// Issues acc += P V with P from a shared-memory tile (m64n256k16, SS). Commits it.
+__device__ __forceinline__ void issue_values_ss(const uint8_t* p_tile, uint64_t v_desc, float (&acc)[O_TILES][4]) {
+  const uint64_t p_desc = sw128_desc(p_tile, 16, 1024);
+  fence_fragments(acc);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<UpperOutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
+  cute::warpgroup_commit_batch();
+}
+
+// The value columns 256c..256c+255 of a stage (MN-major descriptor over column blocks 4c..4c+3).
+__device__ __forceinline__ uint64_t value_desc(Shared& s, int stage, int c) {
+  return sw128_desc(s.k[stage][c * (V_COLS_PER_WARP / BLOCK_COLS)], BLOCK_BYTES, 1024);
+}
+
+__device__ __forceinline__ void zero(float (&acc)[O_TILES][4]) {
+#pragma unroll
+  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+
+// Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys,
+// the online softmax in base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through
+// shared memory, and O += P V for value columns 0..255 with P from registers.
 template <int DQK, int PAIR>
 __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
-  const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
+  const int g = lane >> 2, t4 = lane & 3;
   float acc[O_TILES][4];
-#pragma unroll
-  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  zero(acc);
   float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
   float l[2] = {0.0f, 0.0f};            // this thread's share of their running sums
-  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024);
+  const float one[2] = {1.0f, 1.0f};
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    const uint64_t k_desc = sw128_desc(s.k[stage][0], 16, 1024);
-    const uint64_t v_desc = sw128_desc(s.k[stage][0], BLOCK_BYTES, 1024);  // column blocks 0..3, MN-major
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);
-
-    // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
-    // 16-byte units); the first step overwrites sc.
-    float sc[S_TILES][4];
-    fence_fragments(sc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < DQK / 16; ++kk) {
-      const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
-      wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_fragments(sc);
-
-    // Scale to base 2, mask invalid keys, take the rows' maxima over the tile (a row's 64 keys sit
-    // in the 4 lanes of a quad).
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < S_TILES; ++j) {
-      const float2 bias = *reinterpret_cast<const float2*>(&s.bias[stage][8 * j + 2 * t4]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sc[j][e] = sc[j][e] * a.scale_log2 + ((e & 1) ? bias.y : bias.x);
-        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
-      }
-    }
-    float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
+    float sc[S_TILES][4], tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
+    score_tile<DQK>(s, stage, sc);
+    scale_and_mask(sc, s.bias[stage], a.scale_log2, tile_max, t4);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m[i], quad_max(tile_max[i]));
-      base[i] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing valid yet: all weights 0
+      const float m_new = fmaxf(m[i], tile_max[i]);
+      base[i] = exponent_base(m_new);
       alpha[i] = exp2_approx(m[i] - base[i]);
       m[i] = m_new;
     }
-    // P in bf16, packed as wgmma's A fragments: p[j][0] rows g, p[j][1] rows g + 8, keys 8j + 2t4 (+1).
+    exponentiate(sc, base, sum);
     uint32_t p[S_TILES][2];
-#pragma unroll
-    for (int j = 0; j < S_TILES; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sc[j][e] = exp2_approx(sc[j][e] - base[e >> 1]);
-        sum[e >> 1] += sc[j][e];
-      }
-      p[j][0] = pack_bf16(sc[j][0], sc[j][1]);
-      p[j][1] = pack_bf16(sc[j][2], sc[j][3]);
-    }
+    pack_p(sc, one, p);
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
 
     if (t > 0) bar_sync(BAR_P_FREE, CONSUMER_THREADS);  // warpgroup 1 is done with the last tile's P
-#pragma unroll
-    for (int j = 0; j < S_TILES; ++j) {
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, j) + 4 * t4) = p[j][0];
-      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, j) + 4 * t4) = p[j][1];
-    }
+    store_p(s.p, p, r, lane);
     if (t4 == 0) {
       s.alpha[16 * r + g] = alpha[0];
       s.alpha[16 * r + g + 8] = alpha[1];
@@ -637,25 +697,21 @@ __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work&
     fence_to_wgmma();
     bar_arrive(BAR_P_READY, CONSUMER_THREADS);
 
-    // O += P V over the tile's 64 keys, 16 keys (2048 bytes of V rows) a step; A fragment ks is
-    // keys 16ks.. of rows g (p[2ks][0], p[2ks + 1][0]) and g + 8.
     rescale(acc, alpha);
-    fence_fragments(acc);
-#pragma unroll
-    for (int j = 0; j < S_TILES; ++j) cute::warpgroup_fence_operand(p[j][0]), cute::warpgroup_fence_operand(p[j][1]);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ++ks)
-      wgmma_rs<LowerOutputMma>({p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]}, v_desc + ks * 128,
-                               acc);
-    cute::warpgroup_commit_batch();
+    issue_values_rs(p, value_desc(s, stage, 0), acc);
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
     release_stage<PAIR>(s, w, t, stage, rank);
   }
 
-  float inv[2];
-  finish_rows(a, w, s, m, l, inv, r, lane);
+  float total[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    total[i] = quad_sum(l[i]);
+    inv[i] = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+    if (t4 == 0) s.inv_sum[16 * r + g + 8 * i] = inv[i];
+  }
+  store_row_stats(a, w, m, total, r, lane);
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // warpgroup 1 takes 1 / sum from shared memory
   store_output(a, w, s, acc, inv, r, 0, lane);
 }
@@ -667,22 +723,15 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
   const int g = lane >> 2;
   float acc[O_TILES][4];
-#pragma unroll
-  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-  const uint64_t p_desc = sw128_desc(s.p, 16, 1024);
+  zero(acc);
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
-    const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS], BLOCK_BYTES, 1024);
     bar_sync(BAR_P_READY, CONSUMER_THREADS);
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);  // complete already (warpgroup 0 waited for it)
     const float alpha[2] = {s.alpha[16 * r + g], s.alpha[16 * r + g + 8]};
     rescale(acc, alpha);
-    fence_fragments(acc);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<UpperOutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
-    cute::warpgroup_commit_batch();
+    issue_values_ss(s.p, value_desc(s, stage, 1), acc);
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
     if (t + 1 < w.tiles) bar_arrive(BAR_P_FREE, CONSUMER_THREADS);
@@ -692,6 +741,118 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
   const float inv[2] = {s.inv_sum[16 * r + g], s.inv_sum[16 * r + g + 8]};
   store_output(a, w, s, acc, inv, r, 1, lane);
+}
+
+// The seesaw consumers (bf16 keys, after FlashMLA's prefill): tiles come in pairs, tile 2i in stage
+// 0 for warpgroup 0 ("first") and tile 2i + 1 in stage 1 for warpgroup 1 ("second"); each warpgroup
+// scores its own tile (so one's Q K^T runs on the tensor cores while the other runs its softmax)
+// and accumulates P V of both tiles for its half of the value columns (256c..256c+255): its own P
+// from registers, the other's from shared memory. The row maxima chain through shared memory: the
+// first takes max(m, its tile) and hands it over; the second takes max(that, its tile), the pair's
+// maximum, and hands it back; the first then rescales its P and O to it before sending P. P of the
+// first sits in stage 0's RoPE column block (free once the first has scored the tile; 512-wide keys
+// leave it unused), P of the second in s.p. Stage 0 is released by the first after its own P V and
+// by the second after P(first) V; stage 1 the other way round. The tile count is even (the producer
+// pads with a tile of invalid keys).
+template <int DQK, int PAIR, int C>
+__device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
+  constexpr int own = C, other = 1 - C;  // stages (and value column halves)
+  const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
+  const int g = lane >> 2, t4 = lane & 3;
+  uint8_t* p_tile[2] = {s.k[0][D_QK / BLOCK_COLS - 1], s.p};
+  float acc[O_TILES][4];
+  zero(acc);
+  float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
+  float l[2] = {0.0f, 0.0f};            // this thread's share of this warpgroup's running sums
+  const float one[2] = {1.0f, 1.0f};
+
+  for (int t = own; t < w.tiles; t += 2) {
+    const int phase = (t / 2) & 1;
+    Barrier::wait(&s.full[own], phase);
+    float sc[S_TILES][4], tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
+    score_tile<DQK>(s, own, sc);
+    scale_and_mask(sc, s.bias[own], a.scale_log2, tile_max, t4);
+    float start[2] = {m[0], m[1]};  // the second starts from the first's maximum of this pair
+    if constexpr (C == 1) {
+      bar_sync(BAR_MAX_FIRST, CONSUMER_THREADS);
+      start[0] = s.row_max[16 * r + g];
+      start[1] = s.row_max[16 * r + g + 8];
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(start[i], tile_max[i]);
+      base[i] = exponent_base(m_new);
+      alpha[i] = exp2_approx(m[i] - base[i]);
+      m[i] = m_new;
+    }
+    __syncwarp();  // the quad has read row_max before its lane 0 overwrites it
+    if (t4 == 0) {
+      s.row_max[16 * r + g] = m[0];
+      s.row_max[16 * r + g + 8] = m[1];
+    }
+    bar_arrive(C == 0 ? BAR_MAX_FIRST : BAR_MAX_SECOND, CONSUMER_THREADS);
+    exponentiate(sc, base, sum);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
+    uint32_t p[S_TILES][2];
+    pack_p(sc, one, p);
+    rescale(acc, alpha);
+    issue_values_rs(p, value_desc(s, own, C), acc);
+    if constexpr (C == 0) {
+      cute::warpgroup_wait<0>();
+      fence_fragments(acc);
+      release_stage<PAIR>(s, w, t, own, rank);
+      // The pair's maximum from the second: P and O (and the sums) to its scale.
+      bar_sync(BAR_MAX_SECOND, CONSUMER_THREADS);
+      float scale[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float pair_max = s.row_max[16 * r + g + 8 * i];
+        scale[i] = exp2_approx(m[i] - exponent_base(pair_max));  // m = -inf: nothing to scale (P, O, l are 0)
+        m[i] = pair_max;
+        l[i] *= scale[i];
+      }
+      pack_p(sc, scale, p);
+      store_p(p_tile[own], p, r, lane);
+      fence_to_wgmma();
+      bar_arrive(BAR_P_FIRST, CONSUMER_THREADS);
+      rescale(acc, scale);
+      bar_sync(BAR_P_SECOND, CONSUMER_THREADS);
+      Barrier::wait(&s.full[other], phase);  // complete already (the second scored it)
+      issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
+      cute::warpgroup_wait<0>();
+      fence_fragments(acc);
+      release_stage<PAIR>(s, w, t + 1, other, rank);
+    } else {
+      store_p(p_tile[own], p, r, lane);
+      fence_to_wgmma();
+      bar_sync(BAR_P_FIRST, CONSUMER_THREADS);
+      Barrier::wait(&s.full[other], phase);  // complete already (the first scored it)
+      issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
+      bar_arrive(BAR_P_SECOND, CONSUMER_THREADS);
+      cute::warpgroup_wait<1>();
+      release_stage<PAIR>(s, w, t, own, rank);
+      cute::warpgroup_wait<0>();
+      fence_fragments(acc);
+      release_stage<PAIR>(s, w, t - 1, other, rank);
+    }
+  }
+
+  // Both warpgroups end on the same maxima; the rows' sums add their shares.
+  float total[2], inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    total[i] = quad_sum(l[i]);
+    if (t4 == 0) s.part_sum[C][16 * r + g + 8 * i] = total[i];
+  }
+  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    total[i] += s.part_sum[other][16 * r + g + 8 * i];
+    inv[i] = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+  }
+  if constexpr (C == 0) store_row_stats(a, w, m, total, r, lane);
+  store_output(a, w, s, acc, inv, r, C, lane);
 }
 
 // The CTA's 64 query rows (DQK wide) into shared memory (bf16, swizzled) by both consumer
@@ -711,15 +872,26 @@ __device__ __forceinline__ void load_q(const SparseAttentionArgs& a, const Work&
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }
 
-// The key sources: the FP8 cache's 656-byte tokens, or bf16 rows DQK wide.
+// The key sources: the FP8 cache's 656-byte tokens, or bf16 rows DQK wide, with their consumers and
+// the registers (setmaxnreg) of the producer and the two consumer warpgroups, which sum to what the
+// launch holds. The FP8 producer holds two batches of tokens (144), beside the split consumers
+// (warpgroup 0 holds the scores and half of O: 200, warpgroup 1 half of O: 160); the bf16
+// producer's copies need few (96), which leaves room for the seesaw consumers (each holds scores
+// and half of O: 200; the first keeps its fp32 scores through its P V to rescale P: 208, it spills
+// at 200). ptxas (nvcc 13.0): no spills at these; the split consumers spill with warpgroup 0 at 192
+// or warpgroup 1 at 152.
 struct Fp8Keys {
   static constexpr bool kFp8 = true;
   static constexpr int kDqk = D_QK;
+  static constexpr bool kSeesaw = false;
+  static constexpr int kRegs[3] = {144, 200, 160};
 };
 template <int DQK>
 struct Bf16Keys {
   static constexpr bool kFp8 = false;
   static constexpr int kDqk = DQK;
+  static constexpr bool kSeesaw = true;
+  static constexpr int kRegs[3] = {96, 208, 200};
   static_assert(DQK % BLOCK_COLS == 0 && DQK >= D_V && DQK <= D_QK, "whole column blocks, V inside, fits the stages");
 };
 
@@ -728,7 +900,7 @@ template <class Keys, int PAIR>
 __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_constant__ SparseAttentionArgs args) {
   extern __shared__ __align__(128) uint8_t smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
-  const Work w = work_of(args);
+  const Work w = work_of(args, Keys::kSeesaw);
   const int rank = w.head_block % PAIR;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < STAGES; ++stage) {
@@ -739,18 +911,23 @@ __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_cons
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // the peer's barriers exist before anything reaches them
   else __syncthreads();
+  static_assert(WARPGROUP_THREADS * (Keys::kRegs[0] + Keys::kRegs[1] + Keys::kRegs[2]) <= THREADS * LAUNCH_REGS,
+                "setmaxnreg budget");
   if (threadIdx.x < PRODUCER_THREADS) {
-    cutlass::arch::warpgroup_reg_dealloc<PRODUCER_REGS>();
+    cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[0]>();
     if constexpr (Keys::kFp8) produce_fp8<PAIR>(args, w, s, rank);
     else produce_bf16<Keys::kDqk, PAIR>(args, w, s, rank);
   } else if (threadIdx.x < PRODUCER_THREADS + WARPGROUP_THREADS) {
-    cutlass::arch::warpgroup_reg_alloc<SCORE_REGS>();
+    cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[1]>();
     load_q<Keys::kDqk>(args, w, s);
-    score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
+    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, PAIR, 0>(args, w, s, rank);
+    else score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
   } else {
-    cutlass::arch::warpgroup_reg_dealloc<VALUE_REGS>();
+    if constexpr (Keys::kRegs[2] > LAUNCH_REGS) cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[2]>();
+    else cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[2]>();
     load_q<Keys::kDqk>(args, w, s);
-    upper_values<PAIR>(args, w, s, rank);
+    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, PAIR, 1>(args, w, s, rank);
+    else upper_values<PAIR>(args, w, s, rank);
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
 }
