@@ -111,6 +111,8 @@ struct Shared {
   float part_sum[2][HEADS];                                         // seesaw: each warpgroup's share of the sums
   uint64_t full[STAGES];                                            // the stage's keys are in place
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
+  uint64_t half_full[STAGES][2];                                    // seesaw: column blocks 0..3 / 4.. in place
+  uint64_t half_empty[STAGES][2];                                   // seesaw: their readers are done
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 // The bf16 output rows staged in the Q buffer at the end, each padded by 16 bytes: a fragment store
@@ -430,39 +432,61 @@ __device__ void produce_fp8(const SparseAttentionArgs& a, const Work& w, Shared&
   }
 }
 
-// bf16 keys, DQK wide. Producer warp `warp`: per tile, the scores' bias as for FP8 keys and the rows
-// of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), copied straight into the stage
-// with 16-byte cp.async (zero-filled for invalid ids, which are never read): lanes_per_key lanes
-// take a row, lane l its chunks l % lanes_per_key + lanes_per_key * k. The warp's whole share of a
-// tile is in flight at once, and the next tile's ids load meanwhile.
-template <int DQK, int PAIR>
-__device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
-  constexpr int per_warp = KEYS / PAIR / PRODUCER_WARPS;  // 16, or 8 in a pair
-  constexpr int lanes_per_key = 32 / per_warp;
-  constexpr int row_chunks = DQK * 2 / 16;
-  static_assert(32 % per_warp == 0 && row_chunks % lanes_per_key == 0 && 8 % lanes_per_key == 0,
-                "a row's chunks split evenly over its lanes, each lane's chunk staying in its 8-chunk group");
+// The seesaw's stages in halves: L = column blocks 0..3 (value columns 0..255), R = blocks 4.. (value
+// columns 256..511 and the RoPE block). Stage 0 (the first warpgroup's tile) is scored L first and
+// stage 1 R first, so each warpgroup starts its Q K^T on the half its own P V freed early, while the
+// other half (freed by the other warpgroup's P V) is still loading.
+__device__ __forceinline__ constexpr int first_half(int stage) { return stage; }
+
+// Makes mbarrier `bar` count one arrival once all of this thread's cp.async so far have landed.
+__device__ __forceinline__ void arrive_when_copied(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+
+// bf16 keys, DQK wide, for the seesaw consumers (no cluster: each CTA reads its rows, the L2 serves
+// the other head block). Per pair of tiles the producer fills stage 0 L, stage 1 R, stage 0 R,
+// stage 1 L, each once its readers have released it, with 16-byte cp.async (zero-filled for
+// invalid ids, which are never read) that arrive on the half's FULL barrier when they land: the
+// producer never waits for its copies. Two lanes take a row (lane l its chunks l % 2 + 2k); warp w
+// the rows 16w..16w+15 and the scores' bias of the same keys, written with the first half of a stage
+// (each thread arrives on that half's FULL barrier once more, after its bias store).
+template <int DQK>
+__device__ void produce_halves(const SparseAttentionArgs& a, const Work& w, Shared& s) {
+  constexpr int per_warp = KEYS / PRODUCER_WARPS, lanes_per_key = 32 / per_warp;
+  constexpr int half_chunks[2] = {4 * 8, DQK / 8 - 4 * 8};  // 16-byte chunks of a row in L, R
+  static_assert(lanes_per_key == 2 && half_chunks[1] % lanes_per_key == 0, "two lanes a row");
   if (w.tiles == 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first = rank * (KEYS / PAIR) + warp * per_warp, key = first + lane / lanes_per_key;
-  const int part = lane % lanes_per_key;
-  LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, key);
+  const int key = warp * per_warp + lane / lanes_per_key, part = lane % lanes_per_key;
+  const int32_t* ids = a.indices + w.row * a.topk;
+  const auto read = [&](int t, int k) { const int pos = w.start + t * KEYS + k; return t < w.tiles && pos < w.end ? ids[pos] : -1; };
+  const auto checked = [&](int id) { return id >= 0 && id < a.num_keys ? id : -1; };
   const uint8_t* keys = static_cast<const uint8_t*>(a.keys);
-  for (int t = 0; t < w.tiles; ++t) {
-    const int stage = t % STAGES;
-    claim_stage(s, ids, t, stage, lane);
-    const uint8_t* src = keys + static_cast<int64_t>(max(ids.gather, 0)) * (DQK * 2) + part * 16;
-    uint8_t* dst = s.k[stage][0] + key * 128;
+  int raw[2] = {read(0, key), read(1, key)};  // ids of the next pair, read a pair ahead
+  for (int t0 = 0; t0 < w.tiles; t0 += 2) {
+    const int id[2] = {checked(raw[0]), checked(raw[1])};
 #pragma unroll
-    for (int k = 0; k < row_chunks / lanes_per_key; ++k) {  // chunk c = lanes_per_key * k + part: swizzle(key, c)
-      const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
-      copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
-                    src + lanes_per_key * k * 16, ids.gather >= 0);
+    for (int step = 0; step < 4; ++step) {  // (stage, half): (0, L), (1, R), (0, R), (1, L)
+      const int stage = step & 1, half = stage ^ (step >> 1);
+      if (t0 >= STAGES) Barrier::wait(&s.half_empty[stage][half], ((t0 / STAGES) & 1) ^ 1);
+      const uint8_t* src = keys + static_cast<int64_t>(max(id[stage], 0)) * (DQK * 2) + (half * 32 + part) * 16;
+      uint8_t* dst = s.k[stage][4 * half] + key * 128;
+#pragma unroll
+      for (int k = 0; k < half_chunks[1] / lanes_per_key; ++k) {
+        if (half == 0 && k >= half_chunks[0] / lanes_per_key) break;
+        const int c = lanes_per_key * k + part;  // chunk within the half
+        copy_async_16(dst + (c / 8) * BLOCK_BYTES + (((c % 8) ^ (key & 7)) << 4), src + lanes_per_key * k * 16,
+                      id[stage] >= 0);
+      }
+      arrive_when_copied(&s.half_full[stage][half]);
+      if (half == first_half(stage)) {
+        if (part == 0) s.bias[stage][key] = id[stage] >= 0 ? 0.0f : -INFINITY;
+        Barrier::arrive(&s.half_full[stage][half]);
+      }
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    ids.advance(t);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    hand_over_stage<DQK, PAIR>(s, stage, rank);
+    raw[0] = read(t0 + 2, key), raw[1] = read(t0 + 3, key);
   }
 }
 
@@ -551,19 +575,26 @@ __device__ __forceinline__ void store_row_stats(const SparseAttentionArgs& a, co
   }
 }
 
-// S = Q K^T over DQK columns: the 64 heads against the 64 keys of `stage` (m64n64k16, both operands
-// in shared memory, 16 columns a step: a column block is 4 steps of 32 bytes; descriptors count
-// 16-byte units). The first step overwrites sc.
+// Issues S (+)= Q K^T over column blocks [B0, B1): the 64 heads against the 64 keys of `stage`
+// (m64n64k16, both operands in shared memory, 16 columns a step: a column block is 4 steps of 32
+// bytes; descriptors count 16-byte units). With `overwrite` the first step overwrites sc.
+template <int B0, int B1>
+__device__ __forceinline__ void issue_scores(Shared& s, int stage, float (&sc)[S_TILES][4], bool overwrite) {
+  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024), k_desc = sw128_desc(s.k[stage][0], 16, 1024);
+#pragma unroll
+  for (int kk = 4 * B0; kk < 4 * B1; ++kk) {
+    const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
+    wgmma<ScoreMma>(q_desc + step, k_desc + step, sc,
+                    overwrite && kk == 4 * B0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+  }
+}
+
+// S = Q K^T over DQK columns of `stage`, waited for.
 template <int DQK>
 __device__ __forceinline__ void score_tile(Shared& s, int stage, float (&sc)[S_TILES][4]) {
-  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024), k_desc = sw128_desc(s.k[stage][0], 16, 1024);
   fence_fragments(sc);
   cute::warpgroup_arrive();
-#pragma unroll
-  for (int kk = 0; kk < DQK / 16; ++kk) {
-    const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
-    wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
-  }
+  issue_scores<0, DQK / BLOCK_COLS>(s, stage, sc, true);
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
   fence_fragments(sc);
@@ -754,8 +785,8 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
 // leave it unused), P of the second in s.p. Stage 0 is released by the first after its own P V and
 // by the second after P(first) V; stage 1 the other way round. The tile count is even (the producer
 // pads with a tile of invalid keys).
-template <int DQK, int PAIR, int C>
-__device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
+template <int DQK, int C>
+__device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s) {
   constexpr int own = C, other = 1 - C;  // stages (and value column halves)
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
   const int g = lane >> 2, t4 = lane & 3;
@@ -766,11 +797,28 @@ __device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s, i
   float l[2] = {0.0f, 0.0f};            // this thread's share of this warpgroup's running sums
   const float one[2] = {1.0f, 1.0f};
 
+  constexpr int L = 0, R = 1, blocks = DQK / BLOCK_COLS;
+  const auto release = [&](int t, int stage, int half) {  // the last tiles of a stage are never refilled
+    if (t + STAGES < w.tiles) {
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&s.half_empty[stage][half]);
+    }
+  };
   for (int t = own; t < w.tiles; t += 2) {
     const int phase = (t / 2) & 1;
-    Barrier::wait(&s.full[own], phase);
     float sc[S_TILES][4], tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
-    score_tile<DQK>(s, own, sc);
+    // Q K^T of the own tile, the half that loaded first first
+    Barrier::wait(&s.half_full[own][first_half(own)], phase);
+    fence_fragments(sc);
+    cute::warpgroup_arrive();
+    if constexpr (C == 0) issue_scores<0, 4>(s, own, sc, true);
+    else issue_scores<4, blocks>(s, own, sc, true);
+    Barrier::wait(&s.half_full[own][first_half(own) ^ 1], phase);
+    if constexpr (C == 0) issue_scores<4, blocks>(s, own, sc, false);
+    else issue_scores<0, 4>(s, own, sc, false);
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_fragments(sc);
     scale_and_mask(sc, s.bias[own], a.scale_log2, tile_max, t4);
     float start[2] = {m[0], m[1]};  // the second starts from the first's maximum of this pair
     if constexpr (C == 1) {
@@ -801,7 +849,7 @@ __device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s, i
     if constexpr (C == 0) {
       cute::warpgroup_wait<0>();
       fence_fragments(acc);
-      release_stage<PAIR>(s, w, t, own, rank);
+      release(t, own, L);
       // The pair's maximum from the second: P and O (and the sums) to its scale.
       bar_sync(BAR_MAX_SECOND, CONSUMER_THREADS);
       float scale[2];
@@ -818,23 +866,23 @@ __device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s, i
       bar_arrive(BAR_P_FIRST, CONSUMER_THREADS);
       rescale(acc, scale);
       bar_sync(BAR_P_SECOND, CONSUMER_THREADS);
-      Barrier::wait(&s.full[other], phase);  // complete already (the second scored it)
+      Barrier::wait(&s.half_full[other][L], phase);  // complete already (the second scored it)
       issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
       cute::warpgroup_wait<0>();
       fence_fragments(acc);
-      release_stage<PAIR>(s, w, t + 1, other, rank);
+      release(t + 1, other, L);
     } else {
       store_p(p_tile[own], p, r, lane);
       fence_to_wgmma();
       bar_sync(BAR_P_FIRST, CONSUMER_THREADS);
-      Barrier::wait(&s.full[other], phase);  // complete already (the first scored it)
+      Barrier::wait(&s.half_full[other][R], phase);  // complete already (the first scored it)
       issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
       bar_arrive(BAR_P_SECOND, CONSUMER_THREADS);
       cute::warpgroup_wait<1>();
-      release_stage<PAIR>(s, w, t, own, rank);
+      release(t, own, R);
       cute::warpgroup_wait<0>();
       fence_fragments(acc);
-      release_stage<PAIR>(s, w, t - 1, other, rank);
+      release(t - 1, other, R);
     }
   }
 
@@ -906,6 +954,10 @@ __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_cons
     for (int stage = 0; stage < STAGES; ++stage) {
       Barrier::init(&s.full[stage], PRODUCER_THREADS);
       Barrier::init(&s.empty[stage], CONSUMER_WARPS * PAIR);
+      for (int half = 0; half < 2; ++half) {  // the half loaded first also carries the bias (an arrive per thread)
+        Barrier::init(&s.half_full[stage][half], PRODUCER_THREADS * (half == first_half(stage) ? 2 : 1));
+        Barrier::init(&s.half_empty[stage][half], CONSUMER_WARPS / 2);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -916,17 +968,17 @@ __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_cons
   if (threadIdx.x < PRODUCER_THREADS) {
     cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[0]>();
     if constexpr (Keys::kFp8) produce_fp8<PAIR>(args, w, s, rank);
-    else produce_bf16<Keys::kDqk, PAIR>(args, w, s, rank);
+    else produce_halves<Keys::kDqk>(args, w, s);
   } else if (threadIdx.x < PRODUCER_THREADS + WARPGROUP_THREADS) {
     cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[1]>();
     load_q<Keys::kDqk>(args, w, s);
-    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, PAIR, 0>(args, w, s, rank);
+    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, 0>(args, w, s);
     else score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
   } else {
     if constexpr (Keys::kRegs[2] > LAUNCH_REGS) cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[2]>();
     else cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[2]>();
     load_q<Keys::kDqk>(args, w, s);
-    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, PAIR, 1>(args, w, s, rank);
+    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, 1>(args, w, s);
     else upper_values<PAIR>(args, w, s, rank);
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
@@ -969,9 +1021,11 @@ cudaError_t launch(const SparseAttentionArgs& args, int device, cudaStream_t str
   const int bytes = sizeof(Shared);
   // Head blocks in pairs share the gather, where a split is long enough to repay the cluster's
   // extra latency (a bulk copy and a producer barrier per tile).
-  const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
-  const auto kernel = pair ? attention_kernel<Keys, 2> : attention_kernel<Keys, 1>;
-  cudaError_t err = pair ? opt_in_shared_memory<attention_kernel<Keys, 2>>(bytes, device)
+  // (The seesaw's producer reads whole tiles: no pairs.)
+  constexpr int kPairs = Keys::kSeesaw ? 1 : 2;
+  const bool pair = kPairs == 2 && (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
+  const auto kernel = pair ? attention_kernel<Keys, kPairs> : attention_kernel<Keys, 1>;
+  cudaError_t err = pair ? opt_in_shared_memory<attention_kernel<Keys, kPairs>>(bytes, device)
                          : opt_in_shared_memory<attention_kernel<Keys, 1>>(bytes, device);
   if (err == cudaSuccess) {
     cudaLaunchAttribute cluster{};
