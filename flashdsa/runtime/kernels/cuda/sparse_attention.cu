@@ -173,10 +173,11 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
 // could move the stores past it.)
 __device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// 16 bytes from global `src` to shared `dst` without registers (cp.async; commit and wait apart);
+// 16 bytes from global `src` to shared `dst` without registers (cp.async, the L2 fetching the
+// surrounding 256 bytes: the rest of a row follows; commit and wait apart);
 // with valid false nothing is read and dst gets zeros.
 __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(valid ? 16 : 0)
                : "memory");
@@ -804,19 +805,34 @@ __device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s) {
       if (lane == 0) Barrier::arrive(&s.half_empty[stage][half]);
     }
   };
-  for (int t = own; t < w.tiles; t += 2) {
-    const int phase = (t / 2) & 1;
-    float sc[S_TILES][4], tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
-    // Q K^T of the own tile, the half that loaded first first
-    Barrier::wait(&s.half_full[own][first_half(own)], phase);
+  // Q K^T of own tile t, the half that loaded first first (each half its own commit group).
+  float sc[S_TILES][4];
+  const auto score_first_half = [&](int t) {
+    Barrier::wait(&s.half_full[own][first_half(own)], (t / 2) & 1);
     fence_fragments(sc);
     cute::warpgroup_arrive();
     if constexpr (C == 0) issue_scores<0, 4>(s, own, sc, true);
     else issue_scores<4, blocks>(s, own, sc, true);
-    Barrier::wait(&s.half_full[own][first_half(own) ^ 1], phase);
+    cute::warpgroup_commit_batch();
+  };
+  const auto score_second_half = [&](int t) {
+    Barrier::wait(&s.half_full[own][first_half(own) ^ 1], (t / 2) & 1);
+    cute::warpgroup_arrive();
     if constexpr (C == 0) issue_scores<4, blocks>(s, own, sc, false);
     else issue_scores<0, 4>(s, own, sc, false);
     cute::warpgroup_commit_batch();
+  };
+  if (C == 0 && own < w.tiles) {  // the first issues each next tile's Q K^T behind its last P V
+    score_first_half(own);
+    score_second_half(own);
+  }
+  for (int t = own; t < w.tiles; t += 2) {
+    const int phase = (t / 2) & 1;
+    float tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
+    if constexpr (C == 1) {
+      score_first_half(t);
+      score_second_half(t);
+    }
     cute::warpgroup_wait<0>();
     fence_fragments(sc);
     scale_and_mask(sc, s.bias[own], a.scale_log2, tile_max, t4);
@@ -868,9 +884,17 @@ __device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s) {
       bar_sync(BAR_P_SECOND, CONSUMER_THREADS);
       Barrier::wait(&s.half_full[other][L], phase);  // complete already (the second scored it)
       issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
-      cute::warpgroup_wait<0>();
-      fence_fragments(acc);
-      release(t + 1, other, L);
+      if (t + 2 < w.tiles) {  // the next tile's first half while this P V runs (groups complete in order)
+        score_first_half(t + 2);
+        cute::warpgroup_wait<1>();
+        fence_fragments(acc);
+        release(t + 1, other, L);
+        score_second_half(t + 2);
+      } else {
+        cute::warpgroup_wait<0>();
+        fence_fragments(acc);
+        release(t + 1, other, L);
+      }
     } else {
       store_p(p_tile[own], p, r, lane);
       fence_to_wgmma();
