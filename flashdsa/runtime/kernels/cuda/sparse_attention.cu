@@ -71,7 +71,12 @@ constexpr int PRODUCER_THREADS = 32 * PRODUCER_WARPS;
 constexpr int CONSUMER_THREADS = 32 * CONSUMER_WARPS;
 constexpr int THREADS = PRODUCER_THREADS + CONSUMER_THREADS;
 constexpr int WARPGROUP_THREADS = 128;
-constexpr int LAUNCH_REGS = 168;  // a thread's registers at 384 threads, one CTA an SM (setmaxnreg moves them)
+// setmaxnreg: 128 * (144 + 200 + 160) = 384 * 168, the launch's. The producer holds two batches of
+// tokens; warpgroup 0 holds the scores (64 x 64 fp32) beside its half of O (ptxas, nvcc 13.0 and
+// 13.5: no spills at these, spills with warpgroup 0 at 192 or warpgroup 1 at 152).
+constexpr int PRODUCER_REGS = 144;
+constexpr int SCORE_REGS = 200;
+constexpr int VALUE_REGS = 160;
 constexpr int KEYS_PER_PRODUCER_WARP = KEYS / PRODUCER_WARPS;  // 16: each warp's share of the scores' bias
 constexpr int KEYS_IN_FLIGHT = 8;   // tokens a producer warp loads before converting any
 constexpr int ROPE_CHUNKS = ROPE * 2 / 16;             // 8 16-byte chunks of bf16 RoPE per token
@@ -98,7 +103,10 @@ static_assert(LATENT / 16 == 32 && QUANT_TILE % 16 == 0 && 32 % ROPE_CHUNKS == 0
 static_assert(TOKEN_BYTES % 16 == 0 && ROPE_OFFSET % 16 == 0 && SCALE_OFFSET % 4 == 0,
               "tokens are gathered with 16-byte loads");
 static_assert(D_V % (4 * COMBINE_THREADS) == 0 || D_V == 4 * COMBINE_THREADS, "combine: 4 columns per thread");
-static_assert(PRODUCER_THREADS == WARPGROUP_THREADS, "one producer warpgroup");
+static_assert(WARPGROUP_THREADS * (PRODUCER_REGS + SCORE_REGS + VALUE_REGS) <= THREADS * 168 &&
+                  PRODUCER_REGS % 8 == 0 && SCORE_REGS % 8 == 0 && VALUE_REGS % 8 == 0 &&
+                  PRODUCER_THREADS == WARPGROUP_THREADS,
+              "setmaxnreg budget: the registers the launch holds (168 a thread at 384 threads, one CTA an SM)");
 
 struct Shared {
   alignas(1024) uint8_t q[D_QK / BLOCK_COLS][BLOCK_BYTES];          // the CTA's 64 query rows, bf16
@@ -107,12 +115,8 @@ struct Shared {
   float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
   float alpha[HEADS];                                               // the rows' rescale factors of the current tile
   float inv_sum[HEADS];                                             // 1 / the rows' sums, at the end
-  float row_max[HEADS];                                             // seesaw: the rows' maxima, handed over
-  float part_sum[2][HEADS];                                         // seesaw: each warpgroup's share of the sums
   uint64_t full[STAGES];                                            // the stage's keys are in place
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
-  uint64_t half_full[STAGES][2];                                    // seesaw: column blocks 0..3 / 4.. in place
-  uint64_t half_empty[STAGES][2];                                   // seesaw: their readers are done
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
 // The bf16 output rows staged in the Q buffer at the end, each padded by 16 bytes: a fragment store
@@ -130,12 +134,6 @@ constexpr int BAR_CONSUMERS = 1;
 constexpr int BAR_PRODUCERS = 2;
 constexpr int BAR_P_READY = 3;
 constexpr int BAR_P_FREE = 4;
-// The seesaw consumers (bf16 keys): the rows' maxima after the first warpgroup's tile, then after
-// the second's; each warpgroup's P of the pair of tiles in shared memory.
-constexpr int BAR_MAX_FIRST = 5;
-constexpr int BAR_MAX_SECOND = 6;
-constexpr int BAR_P_FIRST = 7;
-constexpr int BAR_P_SECOND = 8;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
 // Named barriers, unaligned forms: the warps of a barrier reach it from different role branches
@@ -173,11 +171,10 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
 // could move the stores past it.)
 __device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// 16 bytes from global `src` to shared `dst` without registers (cp.async, the L2 fetching the
-// surrounding 256 bytes: the rest of a row follows; commit and wait apart);
+// 16 bytes from global `src` to shared `dst` without registers (cp.async; commit and wait apart);
 // with valid false nothing is read and dst gets zeros.
 __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(valid ? 16 : 0)
                : "memory");
@@ -273,8 +270,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// The CTA's work: query row, head block, split, its [start, end) of the top-k list and the tiles
-// of 64 keys that cover it (an even count for the seesaw consumers: the last may be all padding).
+// The CTA's work: query row, head block, split and its [start, end) of the top-k list.
 struct Work {
   int64_t row;
   int head_block;
@@ -282,7 +278,7 @@ struct Work {
   int start, end, tiles;
 };
 
-__device__ __forceinline__ Work work_of(const SparseAttentionArgs& a, bool even_tiles) {
+__device__ __forceinline__ Work work_of(const SparseAttentionArgs& a) {
   const int head_blocks = a.h_q / HEADS;
   Work w;
   w.head_block = static_cast<int>(blockIdx.x % head_blocks);
@@ -291,7 +287,6 @@ __device__ __forceinline__ Work work_of(const SparseAttentionArgs& a, bool even_
   w.start = w.split * a.tokens_per_split;
   w.end = min(w.start + a.tokens_per_split, a.topk);
   w.tiles = w.end > w.start ? (w.end - w.start + KEYS - 1) / KEYS : 0;
-  if (even_tiles) w.tiles += w.tiles & 1;
   return w;
 }
 
@@ -433,61 +428,39 @@ __device__ void produce_fp8(const SparseAttentionArgs& a, const Work& w, Shared&
   }
 }
 
-// The seesaw's stages in halves: L = column blocks 0..3 (value columns 0..255), R = blocks 4.. (value
-// columns 256..511 and the RoPE block). Stage 0 (the first warpgroup's tile) is scored L first and
-// stage 1 R first, so each warpgroup starts its Q K^T on the half its own P V freed early, while the
-// other half (freed by the other warpgroup's P V) is still loading.
-__device__ __forceinline__ constexpr int first_half(int stage) { return stage; }
-
-// Makes mbarrier `bar` count one arrival once all of this thread's cp.async so far have landed.
-__device__ __forceinline__ void arrive_when_copied(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
-               : "memory");
-}
-
-// bf16 keys, DQK wide, for the seesaw consumers (no cluster: each CTA reads its rows, the L2 serves
-// the other head block). Per pair of tiles the producer fills stage 0 L, stage 1 R, stage 0 R,
-// stage 1 L, each once its readers have released it, with 16-byte cp.async (zero-filled for
-// invalid ids, which are never read) that arrive on the half's FULL barrier when they land: the
-// producer never waits for its copies. Two lanes take a row (lane l its chunks l % 2 + 2k); warp w
-// the rows 16w..16w+15 and the scores' bias of the same keys, written with the first half of a stage
-// (each thread arrives on that half's FULL barrier once more, after its bias store).
-template <int DQK>
-__device__ void produce_halves(const SparseAttentionArgs& a, const Work& w, Shared& s) {
-  constexpr int per_warp = KEYS / PRODUCER_WARPS, lanes_per_key = 32 / per_warp;
-  constexpr int half_chunks[2] = {4 * 8, DQK / 8 - 4 * 8};  // 16-byte chunks of a row in L, R
-  static_assert(lanes_per_key == 2 && half_chunks[1] % lanes_per_key == 0, "two lanes a row");
+// bf16 keys, DQK wide. Producer warp `warp`: per tile, the scores' bias as for FP8 keys and the rows
+// of keys rank * KEYS / PAIR + warp * per_warp .. (+ per_warp - 1), copied straight into the stage
+// with 16-byte cp.async (zero-filled for invalid ids, which are never read): lanes_per_key lanes
+// take a row, lane l its chunks l % lanes_per_key + lanes_per_key * k. The warp's whole share of a
+// tile is in flight at once, and the next tile's ids load meanwhile.
+template <int DQK, int PAIR>
+__device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
+  constexpr int per_warp = KEYS / PAIR / PRODUCER_WARPS;  // 16, or 8 in a pair
+  constexpr int lanes_per_key = 32 / per_warp;
+  constexpr int row_chunks = DQK * 2 / 16;
+  static_assert(32 % per_warp == 0 && row_chunks % lanes_per_key == 0 && 8 % lanes_per_key == 0,
+                "a row's chunks split evenly over its lanes, each lane's chunk staying in its 8-chunk group");
   if (w.tiles == 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int key = warp * per_warp + lane / lanes_per_key, part = lane % lanes_per_key;
-  const int32_t* ids = a.indices + w.row * a.topk;
-  const auto read = [&](int t, int k) { const int pos = w.start + t * KEYS + k; return t < w.tiles && pos < w.end ? ids[pos] : -1; };
-  const auto checked = [&](int id) { return id >= 0 && id < a.num_keys ? id : -1; };
+  const int first = rank * (KEYS / PAIR) + warp * per_warp, key = first + lane / lanes_per_key;
+  const int part = lane % lanes_per_key;
+  LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, key);
   const uint8_t* keys = static_cast<const uint8_t*>(a.keys);
-  int raw[2] = {read(0, key), read(1, key)};  // ids of the next pair, read a pair ahead
-  for (int t0 = 0; t0 < w.tiles; t0 += 2) {
-    const int id[2] = {checked(raw[0]), checked(raw[1])};
+  for (int t = 0; t < w.tiles; ++t) {
+    const int stage = t % STAGES;
+    claim_stage(s, ids, t, stage, lane);
+    const uint8_t* src = keys + static_cast<int64_t>(max(ids.gather, 0)) * (DQK * 2) + part * 16;
+    uint8_t* dst = s.k[stage][0] + key * 128;
 #pragma unroll
-    for (int step = 0; step < 4; ++step) {  // (stage, half): (0, L), (1, R), (0, R), (1, L)
-      const int stage = step & 1, half = stage ^ (step >> 1);
-      if (t0 >= STAGES) Barrier::wait(&s.half_empty[stage][half], ((t0 / STAGES) & 1) ^ 1);
-      const uint8_t* src = keys + static_cast<int64_t>(max(id[stage], 0)) * (DQK * 2) + (half * 32 + part) * 16;
-      uint8_t* dst = s.k[stage][4 * half] + key * 128;
-#pragma unroll
-      for (int k = 0; k < half_chunks[1] / lanes_per_key; ++k) {
-        if (half == 0 && k >= half_chunks[0] / lanes_per_key) break;
-        const int c = lanes_per_key * k + part;  // chunk within the half
-        copy_async_16(dst + (c / 8) * BLOCK_BYTES + (((c % 8) ^ (key & 7)) << 4), src + lanes_per_key * k * 16,
-                      id[stage] >= 0);
-      }
-      arrive_when_copied(&s.half_full[stage][half]);
-      if (half == first_half(stage)) {
-        if (part == 0) s.bias[stage][key] = id[stage] >= 0 ? 0.0f : -INFINITY;
-        Barrier::arrive(&s.half_full[stage][half]);
-      }
+    for (int k = 0; k < row_chunks / lanes_per_key; ++k) {  // chunk c = lanes_per_key * k + part: swizzle(key, c)
+      const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
+      copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
+                    src + lanes_per_key * k * 16, ids.gather >= 0);
     }
-    raw[0] = read(t0 + 2, key), raw[1] = read(t0 + 3, key);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    ids.advance(t);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    hand_over_stage<DQK, PAIR>(s, stage, rank);
   }
 }
 
@@ -557,171 +530,106 @@ __device__ __forceinline__ void store_output(const SparseAttentionArgs& a, const
   }
 }
 
-// The rows' lse and (the forward) max_logits, or the split's partial lse, for rows g, g + 8 of warp r
-// given their base-2 maxima m and their whole sums.
-__device__ __forceinline__ void store_row_stats(const SparseAttentionArgs& a, const Work& w, const float (&m)[2],
-                                                const float (&total)[2], int r, int lane) {
-  if ((lane & 3) != 0) return;
+// Warpgroup 0's last step, rows g, g + 8 of warp r: 1 / sum for warpgroup 1 (shared memory), the
+// lse and (the forward) max_logits, or the split's partial lse. m is the rows' base-2 maximum, l
+// the thread's share of their sums.
+__device__ __forceinline__ void finish_rows(const SparseAttentionArgs& a, const Work& w, Shared& s, const float (&m)[2],
+                                            const float (&l)[2], float (&inv)[2], int r, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int head = w.head_block * HEADS + 16 * r + (lane >> 2) + 8 * i;
-    const float lse = total[i] > 0.0f ? (m[i] + log2f(total[i])) * LN2 : INFINITY;
+    const float total = quad_sum(l[i]);
+    const int local = 16 * r + g + 8 * i, head = w.head_block * HEADS + local;
+    inv[i] = total > 0.0f ? 1.0f / total : 0.0f;
+    const float lse = total > 0.0f ? (m[i] + log2f(total)) * LN2 : INFINITY;
+    if (t4 != 0) continue;
+    s.inv_sum[local] = inv[i];
     if (a.splits == 1) {
       const int64_t b = w.row / a.s_q, q_pos = w.row % a.s_q;
       a.lse[(b * a.h_q + head) * a.s_q + q_pos] = lse;
-      if (a.max_logits != nullptr) a.max_logits[w.row * a.h_q + head] = total[i] > 0.0f ? m[i] * LN2 : -INFINITY;
+      if (a.max_logits != nullptr) a.max_logits[w.row * a.h_q + head] = total > 0.0f ? m[i] * LN2 : -INFINITY;
     } else {  // a partial without keys weighs 0 in the combine
-      a.part_lse[(w.row * a.splits + w.split) * a.h_q + head] = total[i] > 0.0f ? lse : -INFINITY;
+      a.part_lse[(w.row * a.splits + w.split) * a.h_q + head] = total > 0.0f ? lse : -INFINITY;
     }
   }
 }
 
-// Issues S (+)= Q K^T over column blocks [B0, B1): the 64 heads against the 64 keys of `stage`
-// (m64n64k16, both operands in shared memory, 16 columns a step: a column block is 4 steps of 32
-// bytes; descriptors count 16-byte units). With `overwrite` the first step overwrites sc.
-template <int B0, int B1>
-__device__ __forceinline__ void issue_scores(Shared& s, int stage, float (&sc)[S_TILES][4], bool overwrite) {
-  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024), k_desc = sw128_desc(s.k[stage][0], 16, 1024);
-#pragma unroll
-  for (int kk = 4 * B0; kk < 4 * B1; ++kk) {
-    const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
-    wgmma<ScoreMma>(q_desc + step, k_desc + step, sc,
-                    overwrite && kk == 4 * B0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
-  }
-}
-
-// S = Q K^T over DQK columns of `stage`, waited for.
-template <int DQK>
-__device__ __forceinline__ void score_tile(Shared& s, int stage, float (&sc)[S_TILES][4]) {
-  fence_fragments(sc);
-  cute::warpgroup_arrive();
-  issue_scores<0, DQK / BLOCK_COLS>(s, stage, sc, true);
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-  fence_fragments(sc);
-}
-
-// Scales the scores to base 2 and masks invalid keys (bias -inf); returns the rows' maxima over the
-// tile (a row's 64 keys sit in the 4 lanes of a quad). Accumulator fragment j: rows g and g + 8,
-// keys 8j + 2t4 (+1).
-__device__ __forceinline__ void scale_and_mask(float (&sc)[S_TILES][4], const float* bias, float scale_log2,
-                                               float (&tile_max)[2], int t4) {
-  tile_max[0] = tile_max[1] = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < S_TILES; ++j) {
-    const float2 b = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * t4);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sc[j][e] = sc[j][e] * scale_log2 + ((e & 1) ? b.y : b.x);
-      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
-    }
-  }
-  tile_max[0] = quad_max(tile_max[0]);
-  tile_max[1] = quad_max(tile_max[1]);
-}
-
-// The exponent base of a row whose running maximum is m: a row with nothing valid yet (m = -inf)
-// takes 0, so that its weights exp2(-inf - 0) are 0 and its rescale factors finite.
-__device__ __forceinline__ float exponent_base(float m) { return m == -INFINITY ? 0.0f : m; }
-
-// sc = exp2(sc - base) row by row; adds the thread's share of the rows' sums to sum.
-__device__ __forceinline__ void exponentiate(float (&sc)[S_TILES][4], const float (&base)[2], float (&sum)[2]) {
-#pragma unroll
-  for (int j = 0; j < S_TILES; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sc[j][e] = exp2_approx(sc[j][e] - base[e >> 1]);
-      sum[e >> 1] += sc[j][e];
-    }
-}
-
-// P = sc * scale (per row) in bf16, packed as wgmma's A fragments: p[j][0] rows g, p[j][1] rows g + 8.
-__device__ __forceinline__ void pack_p(const float (&sc)[S_TILES][4], const float (&scale)[2], uint32_t (&p)[S_TILES][2]) {
-#pragma unroll
-  for (int j = 0; j < S_TILES; ++j) {
-    p[j][0] = pack_bf16(sc[j][0] * scale[0], sc[j][1] * scale[0]);
-    p[j][1] = pack_bf16(sc[j][2] * scale[1], sc[j][3] * scale[1]);
-  }
-}
-
-// Writes warp r's P fragments into a 64 x 64 bf16 tile in shared memory (swizzled, one column block).
-__device__ __forceinline__ void store_p(uint8_t* tile, const uint32_t (&p)[S_TILES][2], int r, int lane) {
-  const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int j = 0; j < S_TILES; ++j) {
-    *reinterpret_cast<uint32_t*>(tile + swizzle(16 * r + g, j) + 4 * t4) = p[j][0];
-    *reinterpret_cast<uint32_t*>(tile + swizzle(16 * r + g + 8, j) + 4 * t4) = p[j][1];
-  }
-}
-
-// Issues acc += P V over a tile's 64 keys with P from registers (m64n256k16, RS), V = 256 value
-// columns (MN-major, read in place from the key rows) at v_desc; 16 keys (2048 bytes of V rows) a
-// step, A fragment ks = keys 16ks.. of rows g (p[2ks][0], p[2ks + 1][0]) and g + 8. Commits it.
-__device__ __forceinline__ void issue_values_rs(uint32_t (&p)[S_TILES][2], uint64_t v_desc, float (&acc)[O_TILES][4]) {
-  fence_fragments(acc);
-#pragma unroll
-  for (int j = 0; j < S_TILES; ++j) cute::warpgroup_fence_operand(p[j][0]), cute::warpgroup_fence_operand(p[j][1]);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int ks = 0; ks < KEYS / 16; ++ks)
-    wgmma_rs<LowerOutputMma>({p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]}, v_desc + ks * 128, acc);
-  cute::warpgroup_commit_batch();
-}
-
-// Issues acc += P V with P from a shared-memory tile (m64n256k16, SS). Commits it.
-__device__ __forceinline__ void issue_values_ss(const uint8_t* p_tile, uint64_t v_desc, float (&acc)[O_TILES][4]) {
-  const uint64_t p_desc = sw128_desc(p_tile, 16, 1024);
-  fence_fragments(acc);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<UpperOutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
-  cute::warpgroup_commit_batch();
-}
-
-// The value columns 256c..256c+255 of a stage (MN-major descriptor over column blocks 4c..4c+3).
-__device__ __forceinline__ uint64_t value_desc(Shared& s, int stage, int c) {
-  return sw128_desc(s.k[stage][c * (V_COLS_PER_WARP / BLOCK_COLS)], BLOCK_BYTES, 1024);
-}
-
-__device__ __forceinline__ void zero(float (&acc)[O_TILES][4]) {
-#pragma unroll
-  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-}
-
-// Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys,
-// the online softmax in base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through
-// shared memory, and O += P V for value columns 0..255 with P from registers.
+// Warpgroup 0 (warp r: heads 16r..16r+15): per tile, the scores of its 64 heads against all 64 keys
+// (S = Q K^T over DQK columns, m64n64k16, both operands in shared memory), the online softmax in
+// base 2, P (bf16) and the rows' rescale factors handed to warpgroup 1 through shared memory, and
+// O += P V for value columns 0..255 with P from registers (m64n256k16, RS).
 template <int DQK, int PAIR>
 __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work& w, Shared& s, int rank) {
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
-  const int g = lane >> 2, t4 = lane & 3;
+  const int g = lane >> 2, t4 = lane & 3;  // accumulator fragment j: rows g and g + 8, columns 8j + 2t4 (+1)
   float acc[O_TILES][4];
-  zero(acc);
+#pragma unroll
+  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
   float l[2] = {0.0f, 0.0f};            // this thread's share of their running sums
-  const float one[2] = {1.0f, 1.0f};
+  const uint64_t q_desc = sw128_desc(s.q[0], 16, 1024);
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
+    const uint64_t k_desc = sw128_desc(s.k[stage][0], 16, 1024);
+    const uint64_t v_desc = sw128_desc(s.k[stage][0], BLOCK_BYTES, 1024);  // column blocks 0..3, MN-major
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);
-    float sc[S_TILES][4], tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
-    score_tile<DQK>(s, stage, sc);
-    scale_and_mask(sc, s.bias[stage], a.scale_log2, tile_max, t4);
+
+    // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
+    // 16-byte units); the first step overwrites sc.
+    float sc[S_TILES][4];
+    fence_fragments(sc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < DQK / 16; ++kk) {
+      const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
+      wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_fragments(sc);
+
+    // Scale to base 2, mask invalid keys, take the rows' maxima over the tile (a row's 64 keys sit
+    // in the 4 lanes of a quad).
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) {
+      const float2 bias = *reinterpret_cast<const float2*>(&s.bias[stage][8 * j + 2 * t4]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[j][e] = sc[j][e] * a.scale_log2 + ((e & 1) ? bias.y : bias.x);
+        tile_max[e >> 1] = fmaxf(tile_max[e >> 1], sc[j][e]);
+      }
+    }
+    float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m[i], tile_max[i]);
-      base[i] = exponent_base(m_new);
+      const float m_new = fmaxf(m[i], quad_max(tile_max[i]));
+      base[i] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing valid yet: all weights 0
       alpha[i] = exp2_approx(m[i] - base[i]);
       m[i] = m_new;
     }
-    exponentiate(sc, base, sum);
+    // P in bf16, packed as wgmma's A fragments: p[j][0] rows g, p[j][1] rows g + 8, keys 8j + 2t4 (+1).
     uint32_t p[S_TILES][2];
-    pack_p(sc, one, p);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[j][e] = exp2_approx(sc[j][e] - base[e >> 1]);
+        sum[e >> 1] += sc[j][e];
+      }
+      p[j][0] = pack_bf16(sc[j][0], sc[j][1]);
+      p[j][1] = pack_bf16(sc[j][2], sc[j][3]);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
 
     if (t > 0) bar_sync(BAR_P_FREE, CONSUMER_THREADS);  // warpgroup 1 is done with the last tile's P
-    store_p(s.p, p, r, lane);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) {
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g, j) + 4 * t4) = p[j][0];
+      *reinterpret_cast<uint32_t*>(s.p + swizzle(16 * r + g + 8, j) + 4 * t4) = p[j][1];
+    }
     if (t4 == 0) {
       s.alpha[16 * r + g] = alpha[0];
       s.alpha[16 * r + g + 8] = alpha[1];
@@ -729,21 +637,25 @@ __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work&
     fence_to_wgmma();
     bar_arrive(BAR_P_READY, CONSUMER_THREADS);
 
+    // O += P V over the tile's 64 keys, 16 keys (2048 bytes of V rows) a step; A fragment ks is
+    // keys 16ks.. of rows g (p[2ks][0], p[2ks + 1][0]) and g + 8.
     rescale(acc, alpha);
-    issue_values_rs(p, value_desc(s, stage, 0), acc);
+    fence_fragments(acc);
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) cute::warpgroup_fence_operand(p[j][0]), cute::warpgroup_fence_operand(p[j][1]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < KEYS / 16; ++ks)
+      wgmma_rs<LowerOutputMma>({p[2 * ks][0], p[2 * ks][1], p[2 * ks + 1][0], p[2 * ks + 1][1]}, v_desc + ks * 128,
+                               acc);
+    cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
     release_stage<PAIR>(s, w, t, stage, rank);
   }
 
-  float total[2], inv[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    total[i] = quad_sum(l[i]);
-    inv[i] = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-    if (t4 == 0) s.inv_sum[16 * r + g + 8 * i] = inv[i];
-  }
-  store_row_stats(a, w, m, total, r, lane);
+  float inv[2];
+  finish_rows(a, w, s, m, l, inv, r, lane);
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);  // warpgroup 1 takes 1 / sum from shared memory
   store_output(a, w, s, acc, inv, r, 0, lane);
 }
@@ -755,15 +667,22 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
   const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
   const int g = lane >> 2;
   float acc[O_TILES][4];
-  zero(acc);
+#pragma unroll
+  for (int n = 0; n < O_TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  const uint64_t p_desc = sw128_desc(s.p, 16, 1024);
 
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
+    const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS], BLOCK_BYTES, 1024);
     bar_sync(BAR_P_READY, CONSUMER_THREADS);
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);  // complete already (warpgroup 0 waited for it)
     const float alpha[2] = {s.alpha[16 * r + g], s.alpha[16 * r + g + 8]};
     rescale(acc, alpha);
-    issue_values_ss(s.p, value_desc(s, stage, 1), acc);
+    fence_fragments(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < KEYS / 16; ++ks) wgmma<UpperOutputMma>(p_desc + ks * 2, v_desc + ks * 128, acc);
+    cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
     if (t + 1 < w.tiles) bar_arrive(BAR_P_FREE, CONSUMER_THREADS);
@@ -773,158 +692,6 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
   const float inv[2] = {s.inv_sum[16 * r + g], s.inv_sum[16 * r + g + 8]};
   store_output(a, w, s, acc, inv, r, 1, lane);
-}
-
-// The seesaw consumers (bf16 keys, after FlashMLA's prefill): tiles come in pairs, tile 2i in stage
-// 0 for warpgroup 0 ("first") and tile 2i + 1 in stage 1 for warpgroup 1 ("second"); each warpgroup
-// scores its own tile (so one's Q K^T runs on the tensor cores while the other runs its softmax)
-// and accumulates P V of both tiles for its half of the value columns (256c..256c+255): its own P
-// from registers, the other's from shared memory. The row maxima chain through shared memory: the
-// first takes max(m, its tile) and hands it over; the second takes max(that, its tile), the pair's
-// maximum, and hands it back; the first then rescales its P and O to it before sending P. P of the
-// first sits in stage 0's RoPE column block (free once the first has scored the tile; 512-wide keys
-// leave it unused), P of the second in s.p. Stage 0 is released by the first after its own P V and
-// by the second after P(first) V; stage 1 the other way round. The tile count is even (the producer
-// pads with a tile of invalid keys).
-template <int DQK, int C>
-__device__ void seesaw(const SparseAttentionArgs& a, const Work& w, Shared& s) {
-  constexpr int own = C, other = 1 - C;  // stages (and value column halves)
-  const int lane = threadIdx.x & 31, r = (threadIdx.x >> 5) % ROW_GROUPS;
-  const int g = lane >> 2, t4 = lane & 3;
-  uint8_t* p_tile[2] = {s.k[0][D_QK / BLOCK_COLS - 1], s.p};
-  float acc[O_TILES][4];
-  zero(acc);
-  float m[2] = {-INFINITY, -INFINITY};  // running maxima (base-2 scaled scores) of rows g, g + 8
-  float l[2] = {0.0f, 0.0f};            // this thread's share of this warpgroup's running sums
-  const float one[2] = {1.0f, 1.0f};
-
-  constexpr int L = 0, R = 1, blocks = DQK / BLOCK_COLS;
-  const auto release = [&](int t, int stage, int half) {  // the last tiles of a stage are never refilled
-    if (t + STAGES < w.tiles) {
-      __syncwarp();
-      if (lane == 0) Barrier::arrive(&s.half_empty[stage][half]);
-    }
-  };
-  // Q K^T of own tile t, the half that loaded first first (each half its own commit group).
-  float sc[S_TILES][4];
-  const auto score_first_half = [&](int t) {
-    Barrier::wait(&s.half_full[own][first_half(own)], (t / 2) & 1);
-    fence_fragments(sc);
-    cute::warpgroup_arrive();
-    if constexpr (C == 0) issue_scores<0, 4>(s, own, sc, true);
-    else issue_scores<4, blocks>(s, own, sc, true);
-    cute::warpgroup_commit_batch();
-  };
-  const auto score_second_half = [&](int t) {
-    Barrier::wait(&s.half_full[own][first_half(own) ^ 1], (t / 2) & 1);
-    cute::warpgroup_arrive();
-    if constexpr (C == 0) issue_scores<4, blocks>(s, own, sc, false);
-    else issue_scores<0, 4>(s, own, sc, false);
-    cute::warpgroup_commit_batch();
-  };
-  if (C == 0 && own < w.tiles) {  // the first issues each next tile's Q K^T behind its last P V
-    score_first_half(own);
-    score_second_half(own);
-  }
-  for (int t = own; t < w.tiles; t += 2) {
-    const int phase = (t / 2) & 1;
-    float tile_max[2], alpha[2], base[2], sum[2] = {0.0f, 0.0f};
-    if constexpr (C == 1) {
-      score_first_half(t);
-      score_second_half(t);
-    }
-    cute::warpgroup_wait<0>();
-    fence_fragments(sc);
-    scale_and_mask(sc, s.bias[own], a.scale_log2, tile_max, t4);
-    float start[2] = {m[0], m[1]};  // the second starts from the first's maximum of this pair
-    if constexpr (C == 1) {
-      bar_sync(BAR_MAX_FIRST, CONSUMER_THREADS);
-      start[0] = s.row_max[16 * r + g];
-      start[1] = s.row_max[16 * r + g + 8];
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(start[i], tile_max[i]);
-      base[i] = exponent_base(m_new);
-      alpha[i] = exp2_approx(m[i] - base[i]);
-      m[i] = m_new;
-    }
-    __syncwarp();  // the quad has read row_max before its lane 0 overwrites it
-    if (t4 == 0) {
-      s.row_max[16 * r + g] = m[0];
-      s.row_max[16 * r + g + 8] = m[1];
-    }
-    bar_arrive(C == 0 ? BAR_MAX_FIRST : BAR_MAX_SECOND, CONSUMER_THREADS);
-    exponentiate(sc, base, sum);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + sum[i];
-    uint32_t p[S_TILES][2];
-    pack_p(sc, one, p);
-    rescale(acc, alpha);
-    issue_values_rs(p, value_desc(s, own, C), acc);
-    if constexpr (C == 0) {
-      cute::warpgroup_wait<0>();
-      fence_fragments(acc);
-      release(t, own, L);
-      // The pair's maximum from the second: P and O (and the sums) to its scale.
-      bar_sync(BAR_MAX_SECOND, CONSUMER_THREADS);
-      float scale[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float pair_max = s.row_max[16 * r + g + 8 * i];
-        scale[i] = exp2_approx(m[i] - exponent_base(pair_max));  // m = -inf: nothing to scale (P, O, l are 0)
-        m[i] = pair_max;
-        l[i] *= scale[i];
-      }
-      pack_p(sc, scale, p);
-      store_p(p_tile[own], p, r, lane);
-      fence_to_wgmma();
-      bar_arrive(BAR_P_FIRST, CONSUMER_THREADS);
-      rescale(acc, scale);
-      bar_sync(BAR_P_SECOND, CONSUMER_THREADS);
-      Barrier::wait(&s.half_full[other][L], phase);  // complete already (the second scored it)
-      issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
-      if (t + 2 < w.tiles) {  // the next tile's first half while this P V runs (groups complete in order)
-        score_first_half(t + 2);
-        cute::warpgroup_wait<1>();
-        fence_fragments(acc);
-        release(t + 1, other, L);
-        score_second_half(t + 2);
-      } else {
-        cute::warpgroup_wait<0>();
-        fence_fragments(acc);
-        release(t + 1, other, L);
-      }
-    } else {
-      store_p(p_tile[own], p, r, lane);
-      fence_to_wgmma();
-      bar_sync(BAR_P_FIRST, CONSUMER_THREADS);
-      Barrier::wait(&s.half_full[other][R], phase);  // complete already (the first scored it)
-      issue_values_ss(p_tile[other], value_desc(s, other, C), acc);
-      bar_arrive(BAR_P_SECOND, CONSUMER_THREADS);
-      cute::warpgroup_wait<1>();
-      release(t, own, R);
-      cute::warpgroup_wait<0>();
-      fence_fragments(acc);
-      release(t - 1, other, R);
-    }
-  }
-
-  // Both warpgroups end on the same maxima; the rows' sums add their shares.
-  float total[2], inv[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    total[i] = quad_sum(l[i]);
-    if (t4 == 0) s.part_sum[C][16 * r + g + 8 * i] = total[i];
-  }
-  bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    total[i] += s.part_sum[other][16 * r + g + 8 * i];
-    inv[i] = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
-  }
-  if constexpr (C == 0) store_row_stats(a, w, m, total, r, lane);
-  store_output(a, w, s, acc, inv, r, C, lane);
 }
 
 // The CTA's 64 query rows (DQK wide) into shared memory (bf16, swizzled) by both consumer
@@ -944,26 +711,15 @@ __device__ __forceinline__ void load_q(const SparseAttentionArgs& a, const Work&
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }
 
-// The key sources: the FP8 cache's 656-byte tokens, or bf16 rows DQK wide, with their consumers and
-// the registers (setmaxnreg) of the producer and the two consumer warpgroups, which sum to what the
-// launch holds. The FP8 producer holds two batches of tokens (144), beside the split consumers
-// (warpgroup 0 holds the scores and half of O: 200, warpgroup 1 half of O: 160); the bf16
-// producer's copies need few (96), which leaves room for the seesaw consumers (each holds scores
-// and half of O: 200; the first keeps its fp32 scores through its P V to rescale P: 208, it spills
-// at 200). ptxas (nvcc 13.0): no spills at these; the split consumers spill with warpgroup 0 at 192
-// or warpgroup 1 at 152.
+// The key sources: the FP8 cache's 656-byte tokens, or bf16 rows DQK wide.
 struct Fp8Keys {
   static constexpr bool kFp8 = true;
   static constexpr int kDqk = D_QK;
-  static constexpr bool kSeesaw = false;
-  static constexpr int kRegs[3] = {144, 200, 160};
 };
 template <int DQK>
 struct Bf16Keys {
   static constexpr bool kFp8 = false;
   static constexpr int kDqk = DQK;
-  static constexpr bool kSeesaw = true;
-  static constexpr int kRegs[3] = {96, 208, 200};
   static_assert(DQK % BLOCK_COLS == 0 && DQK >= D_V && DQK <= D_QK, "whole column blocks, V inside, fits the stages");
 };
 
@@ -972,38 +728,29 @@ template <class Keys, int PAIR>
 __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_constant__ SparseAttentionArgs args) {
   extern __shared__ __align__(128) uint8_t smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
-  const Work w = work_of(args, Keys::kSeesaw);
+  const Work w = work_of(args);
   const int rank = w.head_block % PAIR;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < STAGES; ++stage) {
       Barrier::init(&s.full[stage], PRODUCER_THREADS);
       Barrier::init(&s.empty[stage], CONSUMER_WARPS * PAIR);
-      for (int half = 0; half < 2; ++half) {  // the half loaded first also carries the bias (an arrive per thread)
-        Barrier::init(&s.half_full[stage][half], PRODUCER_THREADS * (half == first_half(stage) ? 2 : 1));
-        Barrier::init(&s.half_empty[stage][half], CONSUMER_WARPS / 2);
-      }
     }
     cutlass::arch::fence_barrier_init();
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // the peer's barriers exist before anything reaches them
   else __syncthreads();
-  static_assert(WARPGROUP_THREADS * (Keys::kRegs[0] + Keys::kRegs[1] + Keys::kRegs[2]) <= THREADS * LAUNCH_REGS,
-                "setmaxnreg budget");
   if (threadIdx.x < PRODUCER_THREADS) {
-    cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[0]>();
+    cutlass::arch::warpgroup_reg_dealloc<PRODUCER_REGS>();
     if constexpr (Keys::kFp8) produce_fp8<PAIR>(args, w, s, rank);
-    else produce_halves<Keys::kDqk>(args, w, s);
+    else produce_bf16<Keys::kDqk, PAIR>(args, w, s, rank);
   } else if (threadIdx.x < PRODUCER_THREADS + WARPGROUP_THREADS) {
-    cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[1]>();
+    cutlass::arch::warpgroup_reg_alloc<SCORE_REGS>();
     load_q<Keys::kDqk>(args, w, s);
-    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, 0>(args, w, s);
-    else score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
+    score_and_lower_values<Keys::kDqk, PAIR>(args, w, s, rank);
   } else {
-    if constexpr (Keys::kRegs[2] > LAUNCH_REGS) cutlass::arch::warpgroup_reg_alloc<Keys::kRegs[2]>();
-    else cutlass::arch::warpgroup_reg_dealloc<Keys::kRegs[2]>();
+    cutlass::arch::warpgroup_reg_dealloc<VALUE_REGS>();
     load_q<Keys::kDqk>(args, w, s);
-    if constexpr (Keys::kSeesaw) seesaw<Keys::kDqk, 1>(args, w, s);
-    else upper_values<PAIR>(args, w, s, rank);
+    upper_values<PAIR>(args, w, s, rank);
   }
   if constexpr (PAIR > 1) cute::cluster_sync();  // neither CTA leaves while the other may still reach it
 }
@@ -1045,11 +792,9 @@ cudaError_t launch(const SparseAttentionArgs& args, int device, cudaStream_t str
   const int bytes = sizeof(Shared);
   // Head blocks in pairs share the gather, where a split is long enough to repay the cluster's
   // extra latency (a bulk copy and a producer barrier per tile).
-  // (The seesaw's producer reads whole tiles: no pairs.)
-  constexpr int kPairs = Keys::kSeesaw ? 1 : 2;
-  const bool pair = kPairs == 2 && (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
-  const auto kernel = pair ? attention_kernel<Keys, kPairs> : attention_kernel<Keys, 1>;
-  cudaError_t err = pair ? opt_in_shared_memory<attention_kernel<Keys, kPairs>>(bytes, device)
+  const bool pair = (args.h_q / HEADS) % 2 == 0 && args.tokens_per_split >= PAIR_MIN_TILES * KEYS;
+  const auto kernel = pair ? attention_kernel<Keys, 2> : attention_kernel<Keys, 1>;
+  cudaError_t err = pair ? opt_in_shared_memory<attention_kernel<Keys, 2>>(bytes, device)
                          : opt_in_shared_memory<attention_kernel<Keys, 1>>(bytes, device);
   if (err == cudaSuccess) {
     cudaLaunchAttribute cluster{};
