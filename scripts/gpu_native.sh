@@ -3,10 +3,11 @@
 # ptxas report gives registers, spills and shared memory per kernel), their GPU tests against the
 # reference, compute-sanitizer memcheck passes over edge cases (top-k, sparse decode), synccheck on
 # the decode (its warp roles meet at named barriers) and racecheck on the top-k, then the sparse
-# decode benchmark (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
+# decode and prefill benchmarks (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
 # builds in the background meanwhile (from .device/flashmla: run ../shared/device/prepare first and
 # carry .device). Writes at most 7 files under $OUT (default /tmp/flashdsa-gpu): device.txt,
-# build.log, tests.log, memcheck.log, bench-decode.log, bench-topk.log, BENCHMARKS-native.md.
+# build.log, tests.log, memcheck.log, bench-decode.log, bench-prefill.log, bench-topk.log,
+# BENCHMARKS-native.md.
 # Run on the device machine (Hopper) as:  source .device/env.sh; bash scripts/gpu_native.sh
 set -uo pipefail
 out=${OUT:-/tmp/flashdsa-gpu}
@@ -24,11 +25,11 @@ status=0
 { time python3 -m flashdsa.cli build-kernels --compile-only && time python3 -m flashdsa.cli build-kernels; } \
   2>&1 | tee "$out/build.log" || status=1
 python3 -m pytest -q -rfEs tests/native tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py \
-  tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py \
-  2>&1 | tee "$out/tests.log" || status=1
+  tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py 2>&1 | tee "$out/tests.log" || status=1
+python3 -m pytest -q -rfEs tests/kernels/test_triton_attention.py -k cuda 2>&1 | tee -a "$out/tests.log" || status=1  # the native forward
 if command -v compute-sanitizer >/dev/null; then
   for t in tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py tests/moe/test_cuda_fp4_moe.py \
-           tests/gemm/test_cuda_gemv.py; do
+           tests/gemm/test_cuda_gemv.py tests/kernels/test_triton_attention.py; do
     echo "== $t" >> "$out/memcheck.log"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
@@ -46,5 +47,7 @@ if [ -n "$flashmla_build" ]; then
 fi
 python3 -m benchmarks.bench_sparse_decode --output "$out/BENCHMARKS-native.md" 2>&1 \
   | tee "$out/bench-decode.log" || status=1
+python3 -m benchmarks.bench_sparse_prefill --output "$out/BENCHMARKS-native.md" 2>&1 \
+  | tee "$out/bench-prefill.log" || status=1
 python3 -m benchmarks.bench_topk --output "$out/BENCHMARKS-native.md" 2>&1 | tee "$out/bench-topk.log" || status=1
 exit $status
