@@ -187,7 +187,7 @@ def test_the_public_op_refuses_unsupported_shapes_by_name():
     q, pool, slots = decode_inputs(2, 1, 64, 128, 200)
     from flashdsa.runtime.kernels.cuda import sparse_decode  # noqa: PLC0415
 
-    with pytest.raises(ValueError, match="cuda sparse decode needs h_q in"):
+    with pytest.raises(ValueError, match="cuda sparse attention needs h_q in"):
         sparse_mla_decode(torch.cat([q, q[:, :, :32]], dim=2), pool, slots, SM_SCALE, backend="cuda")
     assert sparse_decode.split_count(ctas=8, topk=2048, sms=132) == 16
 
