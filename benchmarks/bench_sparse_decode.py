@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bench_decode_indexer import decode_inputs
-from benchmarks.common import Row, graph_ms, input_sets_for, parse_with_flashmla, report
+from benchmarks.common import Row, graph_ms, input_sets_for, parse_with_flashmla, report, side_by_side_rows
 from flashdsa.runtime.kernels import sparse_mla_decode
 
 log = logging.getLogger("bench_sparse_decode")
@@ -57,15 +57,11 @@ def bench_shape(device, b: int, s_q: int, h_q: int, fm) -> list[Row]:
             outs[name] = call(*sets[0])[0].float()
         except Exception as e:  # one failing backend must not hide the others
             log.warning("%s at %s failed: %s", name, shape, str(e).splitlines()[0][:300])
-    rows = []
-    for name, ms in times.items():
-        notes = [f"{times['FlashMLA'] / ms:.2f}x FlashMLA"] if "FlashMLA" in times else []
-        notes += [f"max |out - {other}| {(outs[name] - outs[other]).abs().max().item():.1e}"
-                  for other in ("FlashMLA", "triton") if other in outs and other != name]
-        rows.append(Row(f"sparse_mla_decode {name}", shape, ms, flops / ms / 1e9, "TFLOPS", FLASHMLA_TFLOPS,
-                        "; ".join(notes)))
-        print(rows[-1])
-    return rows
+    def differences(name: str) -> list[str]:
+        return [f"max |out - {other}| {(outs[name] - outs[other]).abs().max().item():.1e}"
+                for other in ("FlashMLA", "triton") if other in outs and other != name]
+
+    return side_by_side_rows("sparse_mla_decode", shape, times, differences, flops, FLASHMLA_TFLOPS)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

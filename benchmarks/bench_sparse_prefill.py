@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bench_attention import uniform_indices
-from benchmarks.common import Row, input_sets_for, median_ms, parse_with_flashmla, report
+from benchmarks.common import Row, input_sets_for, median_ms, parse_with_flashmla, report, side_by_side_rows
 from flashdsa.runtime.kernels import sparse_mla_fwd
 
 log = logging.getLogger("bench_sparse_prefill")
@@ -57,18 +57,12 @@ def bench_shape(device, s_kv: int, h_q: int, fm) -> list[Row]:
             outs[name] = (out.float(), lse.float())
         except Exception as e:  # one failing backend must not hide the others
             log.warning("%s at %s failed: %s", name, shape, str(e).splitlines()[0][:300])
-    rows = []
-    for name, ms in times.items():
-        notes = [f"{times['FlashMLA'] / ms:.2f}x FlashMLA"] if "FlashMLA" in times else []
-        for other in ("FlashMLA", "triton"):
-            if other in outs and other != name:
-                d_out = (outs[name][0] - outs[other][0]).abs().max().item()
-                d_lse = (outs[name][1] - outs[other][1]).abs().max().item()
-                notes.append(f"max |out - {other}| {d_out:.1e}, |lse - {other}| {d_lse:.1e}")
-        rows.append(Row(f"sparse_mla_fwd {name}", shape, ms, flops / ms / 1e9, "TFLOPS", FLASHMLA_TFLOPS[s_kv, h_q],
-                        "; ".join(notes)))
-        print(rows[-1])
-    return rows
+    def differences(name: str) -> list[str]:
+        return [f"max |out - {other}| {(outs[name][0] - outs[other][0]).abs().max().item():.1e}, "
+                f"|lse - {other}| {(outs[name][1] - outs[other][1]).abs().max().item():.1e}"
+                for other in ("FlashMLA", "triton") if other in outs and other != name]
+
+    return side_by_side_rows("sparse_mla_fwd", shape, times, differences, flops, FLASHMLA_TFLOPS[s_kv, h_q])
 
 
 def main(argv: Optional[list[str]] = None) -> None:

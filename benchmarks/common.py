@@ -120,6 +120,18 @@ def output_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def side_by_side_rows(op: str, shape: str, times: dict[str, float], differences: Callable[[str], list[str]],
+                      flops: float, target: float) -> list[Row]:
+    """One row per backend timed at one shape next to FlashMLA: each note gives the ratio to
+    FlashMLA (when it ran) and ``differences(name)``, that backend's output differences."""
+    rows = []
+    for name, ms in times.items():
+        notes = [f"{times['FlashMLA'] / ms:.2f}x FlashMLA"] if "FlashMLA" in times else []
+        rows.append(Row(f"{op} {name}", shape, ms, flops / ms / 1e9, "TFLOPS", target, "; ".join(notes + differences(name))))
+        print(rows[-1])
+    return rows
+
+
 FLASHMLA_DIR = Path(__file__).resolve().parents[1] / ".device" / "flashmla"
 
 
