@@ -37,10 +37,15 @@ D_V = 512
 SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
 
 
+def cuda_forward_serves(h_q: int) -> bool:
+    """Whether this GPU and head count are the native forward's (SM90, h_q 64 or 128)."""
+    return torch.cuda.get_device_capability() == (9, 0) and h_q in (64, 128)
+
+
 def check_fwd(q, kv, indices, sm_scale=None, out_abs_tol=1e-3, backend="triton"):
     """A backend's forward vs the reference on fp32 copies of the same inputs (FlashMLA tolerances)."""
     sm_scale = sm_scale or q.shape[-1] ** -0.5
-    if backend == "cuda" and (torch.cuda.get_device_capability() != (9, 0) or q.shape[1] not in (64, 128)):
+    if backend == "cuda" and not cuda_forward_serves(q.shape[1]):
         pytest.skip("the cuda forward serves SM90 and h_q 64 or 128")
     flood_cuda_allocator_with_nan(q.device)
     out, max_logits, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend=backend)
@@ -155,7 +160,7 @@ def test_cuda_fwd_takes_any_topk_up_to_16384(h_q, d_qk, topk, s_q, s_kv):
 def test_cuda_fwd_70000_query_rows():
     """More query rows than a grid's y or z may hold; inputs drawn on the GPU, and the reference
     checks the first, the last and a random sample of rows (rows are independent)."""
-    if torch.cuda.get_device_capability() != (9, 0):
+    if not cuda_forward_serves(64):
         pytest.skip("the cuda forward serves SM90")
     rows, s_kv = 70000, 3000
     g = torch.Generator(device=cuda).manual_seed(SEED)
@@ -247,7 +252,7 @@ def run_memcheck_case() -> None:
     q, kv, indices = inputs(5, 70, 128, 576, 128, cuda, invalid=0.3, out_of_range=0.3, duplicates=True)
     for deterministic in (False, True):
         check_bwd(q, kv, indices, deterministic)
-    if torch.cuda.get_device_capability() == (9, 0):
+    if cuda_forward_serves(q.shape[1]):
         for d_qk in (576, 512):
             check_fwd(q[..., :d_qk].contiguous(), kv[..., :d_qk].contiguous(), indices, backend="cuda")
         empty = kv[:0]
