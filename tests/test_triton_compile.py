@@ -145,7 +145,7 @@ def test_v4_attention_and_cache_kernels_compile_for_hopper_and_blackwell(launche
 
 
 def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
-    from flashdsa.runtime.cache.triton import writes
+    from flashdsa.runtime.cache.triton import dequantize, writes
     from flashdsa.runtime.indexer.triton import hadamard, logits, quantize, topk
 
     num_q, num_keys, heads = 3, 500, 64
@@ -167,7 +167,8 @@ def test_indexer_and_cache_kernels_compile_for_hopper_and_blackwell(launches):
     writes.write_mla_cache(torch.randn(16, 512).bfloat16(), torch.randn(16, 64).bfloat16(),
                            torch.zeros(4, 64, 1, 656, dtype=torch.uint8), slots)
     writes.write_indexer_cache(torch.randn(16, 128).bfloat16(), pool, slots)
-    assert compile_all(launches) == ["_collect_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
+    dequantize.dequantize_mla_blocks(torch.zeros(4, 64, 1, 656, dtype=torch.uint8), slots[:3], torch.bfloat16)
+    assert compile_all(launches) == ["_collect_kernel", "_dequantize_mla_kernel", "_finish_kernel", "_hadamard_kernel", "_histogram_kernel",
                                      "_paged_kernel", "_ragged_kernel", "_rotate_quantize_kernel",
                                      "_write_indexer_kernel", "_write_mla_kernel"]
 

@@ -14,7 +14,7 @@ import torch
 
 from flashdsa.models.config import DeepseekV32Config
 from flashdsa.runtime.cache import positions_to_slots as cache_positions_to_slots
-from flashdsa.runtime.cache import write_indexer_cache, write_mla_cache
+from flashdsa.runtime.cache import dequantize_mla_blocks, write_indexer_cache, write_mla_cache
 from flashdsa.runtime.cache.layout import BLOCK_SIZE, INDEXER_TOKEN_BYTES, MLA_TOKEN_BYTES, indexer_block_views
 from flashdsa.runtime.cache.pool import indexer_pool, mla_pool
 from flashdsa.runtime.fp8 import E4M3
@@ -102,3 +102,31 @@ def gather_fp8_keys(pool: torch.Tensor, block_table: torch.Tensor, length: int) 
 def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Map per-token cache positions ``[T, k]`` (-1 = none) to slot ids ``[T, k]`` int32 (-1 kept)."""
     return cache_positions_to_slots(positions, meta.seq_ids, meta.block_tables, block_size)
+
+
+# A step attends over a dequantized copy of its blocks when it has at least this many query tokens
+# (the forward has no split over the top-k: fewer rows leave SMs idle, where the decode kernel
+# splits) and its blocks hold at most this many tokens per query token (the copy is read and
+# written once per layer; a query row's attention costs as much as ~500 tokens of it).
+DEQUANTIZED_MIN_TOKENS = 512
+DEQUANTIZED_TOKENS_PER_QUERY = 16
+
+
+def dequantized_prefill(meta: BatchMetadata) -> bool:
+    """Whether this step's FP8-cache attention runs as ``sparse_mla_fwd`` over bf16 rows of its
+    blocks (a prefill: many query rows over contexts of similar length; FlashMLA's prefill reads
+    bf16 keys likewise) rather than the decode kernel over the cache. Host ints only."""
+    tokens = sum(meta.query_lens)
+    rows = meta.block_tables.numel() * BLOCK_SIZE
+    return tokens >= DEQUANTIZED_MIN_TOKENS and rows <= DEQUANTIZED_TOKENS_PER_QUERY * tokens
+
+
+def dequantized_keys(pool: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's blocks as key rows ``[B * max_blocks * block_size, 1, 576]`` (sequence b's table
+    row after row, so position p of sequence b is row ``b * max_blocks * block_size + p``), and the
+    rows ``[T, k]`` int32 of per-token cache ``positions: [T, k]`` (-1 kept)."""
+    keys = dequantize_mla_blocks(pool, meta.block_tables.flatten(), dtype)
+    per_sequence = meta.block_tables.shape[1] * pool.shape[1]
+    rows = torch.where(positions >= 0, positions + (meta.seq_ids * per_sequence)[:, None], -1)
+    return keys, rows.to(torch.int32)

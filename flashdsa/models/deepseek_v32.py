@@ -29,6 +29,8 @@ from flashdsa.models.caches import (
     ModelCaches,
     allocate_caches,
     cache_bytes_per_block,
+    dequantized_keys,
+    dequantized_prefill,
     positions_to_slots,
     store_latent,
 )
@@ -135,17 +137,21 @@ class MLA(nn.Module):
         store_latent(mla_pool, c_kv, k_pe, meta.slot_mapping)
 
         selected = self.indexer(x, q_resid, rope, meta, index_pool, index_k)  # [T, topk] positions
-        slots = positions_to_slots(selected, meta, mla_pool.shape[1])  # [T, topk] slot ids
 
         w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, 128, 512] each
-        o_lat = self._attend(absorbed_query(q_nope, q_pe, w_uk), mla_pool, slots)  # [T, H, 512]
+        o_lat = self._attend(absorbed_query(q_nope, q_pe, w_uk), mla_pool, selected, meta)  # [T, H, 512]
         o = torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v_head_dim]
         return self.shard.all_reduce(self.o_proj(o.flatten(1)))
 
-    def _attend(self, q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Sparse attention of ``q: [T, H, d_qk]`` over the cache tokens at ``slots: [T, topk]``."""
+    def _attend(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor,
+                meta: BatchMetadata) -> torch.Tensor:
+        """Sparse attention of ``q: [T, H, d_qk]`` over each token's cache ``positions: [T, topk]``."""
         scale, d_v = self.config.softmax_scale, self.config.kv_lora_rank
+        if pool.dtype == torch.uint8 and dequantized_prefill(meta):  # the forward over bf16 rows of the blocks
+            kv, rows = dequantized_keys(pool, positions, meta, q.dtype)
+            return sparse_mla_fwd(q, kv, rows[:, None, :], scale, d_v)[0]
+        slots = positions_to_slots(positions, meta, pool.shape[1])  # [T, topk] slot ids
         if pool.dtype == torch.uint8:  # FP8 pool: the decode kernel reads slot ids directly
             out, _ = sparse_mla_decode(q[None], pool, slots[None], scale, d_v)
             return out[0]

@@ -131,3 +131,48 @@ def test_a_step_reads_only_the_blocks_of_its_sequences(request, random_ids, chec
         outs.append(torch.cat(steps))
     assert outs[1].isfinite().all()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prefill_over_dequantized_blocks_matches_the_decode_kernel(full_width, random_ids, monkeypatch, device):
+    """A prefill step attends through ``sparse_mla_fwd`` over bf16 rows of its blocks; each layer's
+    attention, run again through the decode kernel over the FP8 cache on the same inputs, agrees to
+    bf16 rounding of the keys (two sequences of different lengths, so the second's rows start past
+    the first's padded table row). Layer by layer: the tiny random model amplifies any difference
+    through the next layers' top-k choices."""
+    import flashdsa.models.caches as caches_module
+    from flashdsa.models.deepseek_v32 import MLA
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = load_model(full_width, mode="production", device=device)
+    ids = torch.cat([random_ids(130, 1), random_ids(75, 2)]).to(device)
+    meta = step_metadata([0, 0], [130, 75], contiguous_block_tables([130, 75]), device=device)
+    calls, errors = [], []
+    dequantize, attend = caches_module.dequantize_mla_blocks, MLA._attend
+    monkeypatch.setattr(caches_module, "dequantize_mla_blocks", lambda *a: calls.append(1) or dequantize(*a))
+
+    def both_paths(self, q, pool, positions, meta):
+        monkeypatch.setattr(caches_module, "DEQUANTIZED_MIN_TOKENS", 10**9)
+        over_cache = attend(self, q, pool, positions, meta)
+        monkeypatch.setattr(caches_module, "DEQUANTIZED_MIN_TOKENS", 1)
+        out = attend(self, q, pool, positions, meta)
+        errors.append(((out - over_cache).abs().max() / over_cache.abs().max()).item())
+        return out
+
+    monkeypatch.setattr(MLA, "_attend", both_paths)
+    logits = model(ids, meta, model.allocate_caches(8))
+    assert len(calls) == len(errors) == len(model.model.layers)
+    assert logits.isfinite().all() and max(errors) <= 1e-2, errors
+
+
+def test_only_prefill_heavy_steps_attend_over_dequantized_blocks():
+    from flashdsa.models.caches import dequantized_prefill
+
+    def step(cached, new):
+        return step_metadata(cached, new, contiguous_block_tables([c + n for c, n in zip(cached, new)]))
+
+    assert dequantized_prefill(step([0], [600]))  # a prompt
+    assert dequantized_prefill(step([7000], [1000]))  # a late chunk of a long prompt: 8000 rows for 1000 queries
+    assert not dequantized_prefill(step([0], [100]))  # too few rows to fill the GPU without a top-k split
+    assert not dequantized_prefill(step([16000] * 600, [1] * 600))  # decode: 16K rows per query token

@@ -1,12 +1,13 @@
 """Paged FP8 caches: byte layouts (``layout``), pools (``pool``), the block allocator
-(``allocator``), the two cache-write ops and the position-to-slot mapping below (validation +
-backend dispatch).
+(``allocator``), the cache-write ops, the position-to-slot mapping and the MLA blocks' dequantized
+read below (validation + backend dispatch).
 
 Backends of each op, registered lazily:
   reference  flashdsa.runtime.cache.reference:<op>
   triton     flashdsa.runtime.cache.triton.writes:write_mla_cache / :write_indexer_cache,
              flashdsa.runtime.cache.triton.writes_v4:write_v4_cache,
-             flashdsa.runtime.cache.triton.slots:positions_to_slots
+             flashdsa.runtime.cache.triton.slots:positions_to_slots,
+             flashdsa.runtime.cache.triton.dequantize:dequantize_mla_blocks (bf16 out)
 Backend functions take the same positional arguments (no ``backend``); the writes write in place
 and must skip slots < 0 or >= num_blocks * block_size.
 """
@@ -35,6 +36,9 @@ for _op, _module in (("write_mla_cache", "writes"), ("write_indexer_cache", "wri
                      ("positions_to_slots", "slots")):
     dispatch.register(_op, "reference", f"flashdsa.runtime.cache.reference:{_op}")
     dispatch.register(_op, "triton", f"flashdsa.runtime.cache.triton.{_module}:{_op}")
+dispatch.register("dequantize_mla_blocks", "reference", "flashdsa.runtime.cache.reference:dequantize_mla_blocks")
+dispatch.register("dequantize_mla_blocks", "triton", "flashdsa.runtime.cache.triton.dequantize:dequantize_mla_blocks",
+                  supports=lambda dtype, **_: None if dtype == torch.bfloat16 else f"triton writes bf16, got {dtype}")
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:
@@ -150,3 +154,21 @@ def positions_to_slots(positions: torch.Tensor, seq_ids: torch.Tensor, block_tab
         check(low >= 0 and high < block_tables.shape[0],
               f"seq_ids must lie in [0, B={block_tables.shape[0]}), got values in [{low}, {high}]")
     return dispatch.select("positions_to_slots", positions.device, backend)(positions, seq_ids, block_tables, block_size)
+
+
+def dequantize_mla_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *,
+                          backend: Optional[str] = None) -> torch.Tensor:
+    """Key rows of whole blocks of the FP8 MLA cache, for attention kernels that read plain rows.
+
+    kv_cache: [num_blocks, block_size, 1, 656] uint8 pool. block_ids: [N] int32/int64, the blocks
+    to read; an id < 0 or >= num_blocks gives zero rows (e.g. a block table's -1 padding).
+    Returns ``[N * block_size, 1, 576]`` in ``dtype`` (bf16, or fp32/fp64 on the reference
+    backend): row ``j * block_size + o`` is token o of block ``block_ids[j]``, latent
+    (e4m3 x scale) then k_pe, as the decode kernels dequantize it. The sparse prefill runs
+    ``sparse_mla_fwd`` over these rows (the model's ``dequantized_prefill``).
+    """
+    check_tensor("kv_cache", kv_cache, torch.uint8, [None, None, 1, MLA_TOKEN_BYTES],
+                 "uint8 [num_blocks, block_size, 1, 656]")
+    check_tensor("block_ids", block_ids, (torch.int32, torch.int64), [None], "int32/int64 [N]", kv_cache.device)
+    check(dtype in (torch.bfloat16, torch.float32, torch.float64), f"dtype must be bf16, fp32 or fp64, got {dtype}")
+    return dispatch.select("dequantize_mla_blocks", kv_cache.device, backend, dtype=dtype)(kv_cache, block_ids, dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.runtime.cache.layout import indexer_block_views, quantize_indexer_key, quantize_mla
+from flashdsa.runtime.cache.layout import dequantize_mla, indexer_block_views, quantize_indexer_key, quantize_mla
 from flashdsa.runtime.cache.layout_v4 import quantize_v4, v4_block_views
 from flashdsa.runtime.indexer.reference import hadamard_transform
 
@@ -55,3 +55,11 @@ def positions_to_slots(positions: torch.Tensor, seq_ids: torch.Tensor, block_tab
     block = table.gather(1, page.clamp_max(table.shape[1] - 1))
     slots = block * block_size + pos % block_size
     return torch.where(listed & (block >= 0), slots, -1).to(torch.int32)
+
+
+def dequantize_mla_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[N * block_size, 1, 576]`` rows of the blocks ``block_ids: [N]`` (zeros for unlisted ids)."""
+    listed = (block_ids >= 0) & (block_ids < kv_cache.shape[0])
+    keys = dequantize_mla(kv_cache[torch.where(listed, block_ids, 0).long()])  # [N, block_size, 1, 576] fp32
+    keys = torch.where(listed[:, None, None, None], keys, 0.0)
+    return keys.to(dtype).reshape(-1, 1, keys.shape[-1])
