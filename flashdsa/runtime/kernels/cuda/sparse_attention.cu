@@ -180,6 +180,23 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
                : "memory");
 }
 
+// An L2 policy that keeps key rows cached ahead of other traffic: the other query rows of a prompt
+// gather many of the same rows.
+__device__ __forceinline__ uint64_t keep_in_l2_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// copy_async_16 for a chunk of a key row: L2 `policy`, and the L2 fetches the surrounding 256 bytes
+// (the row's next chunks, which this warp asks for next) in one request.
+__device__ __forceinline__ void copy_async_16_row(void* dst, const void* src, bool valid, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0), "l"(policy)
+               : "memory");
+}
+
 // Byte offset of 16-byte chunk `chunk` (8 bf16 columns) of row `row` (of 64) in a buffer of column
 // blocks: block chunk / 8 holds 64 rows of 128 bytes, their chunks XOR-swizzled by (row & 7).
 __device__ __forceinline__ int swizzle(int row, int chunk) {
@@ -446,6 +463,7 @@ __device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared
   const int part = lane % lanes_per_key;
   LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, key);
   const uint8_t* keys = static_cast<const uint8_t*>(a.keys);
+  const uint64_t policy = keep_in_l2_policy();
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
     claim_stage(s, ids, t, stage, lane);
@@ -454,8 +472,8 @@ __device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared
 #pragma unroll
     for (int k = 0; k < row_chunks / lanes_per_key; ++k) {  // chunk c = lanes_per_key * k + part: swizzle(key, c)
       const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
-      copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
-                    src + lanes_per_key * k * 16, ids.gather >= 0);
+      copy_async_16_row(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
+                        src + lanes_per_key * k * 16, ids.gather >= 0, policy);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     ids.advance(t);

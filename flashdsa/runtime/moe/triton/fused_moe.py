@@ -49,8 +49,10 @@ WEIGHT_FORMATS = ("bf16", "fp8", "fp4")  # the expert weights' storage, the HEUR
 # holds. FP8 tiles keep block_k dividing 128 (one scale per step), FP4 tiles a multiple of 32 (whole
 # scale groups). The FP4 decode rows (<= 16 pairs an expert) are the fastest of
 # `bench_moe.py --sweep --shape v4 --dtype fp4` on an H200 (session 7, the tl.dot_scaled path, T = 1,
-# 32, 128); the other rows were written without a GPU run (each fits Hopper's shared memory with
-# its pipeline stages): `bench_moe.py --sweep` is what fixes them.
+# 32, 128); the FP8 prefill row (> 48 pairs an expert) is the fastest at T = 4096 and 16384 on an
+# H200 (session 21: its down GEMM at 4 warps, 2.2 / 7.5 ms against 3.4 / 10.1 at 8); the other rows
+# were written without a GPU run (each fits Hopper's shared memory with its pipeline stages):
+# `bench_moe.py --sweep` is what fixes them.
 HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig, MoeConfig], ...] = (
     (2, MoeConfig(16, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4)),
      MoeConfig(16, Tile(64, 128, 4, 4), Tile(64, 128, 4, 4)),
@@ -62,7 +64,7 @@ HEURISTIC: tuple[tuple[float, MoeConfig, MoeConfig, MoeConfig], ...] = (
      MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 128, 4, 3)),
      MoeConfig(32, Tile(64, 128, 4, 3), Tile(128, 64, 4, 3))),
     (math.inf, MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 4, 4)),
-     MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 8, 3)),
+     MoeConfig(64, Tile(128, 128, 8, 3), Tile(128, 128, 4, 3)),
      MoeConfig(64, Tile(128, 64, 8, 3), Tile(128, 64, 8, 3))),
 )
 
