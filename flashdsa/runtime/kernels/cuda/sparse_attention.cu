@@ -115,7 +115,7 @@ struct Shared {
   float bias[STAGES][KEYS];                                         // 0 for a valid slot id, -inf otherwise
   float alpha[HEADS];                                               // the rows' rescale factors of the current tile
   float inv_sum[HEADS];                                             // 1 / the rows' sums, at the end
-  uint64_t full[STAGES];                                            // the stage's keys are in place
+  uint64_t full[STAGES][2];  // the stage's keys are in place: column blocks 0..3 (values 0..255), then the rest
   uint64_t empty[STAGES];                                           // the pair's consumers are done with it
 };
 static_assert(sizeof(Shared) <= 227 * 1024, "one CTA per SM: at most 227 KB of shared memory");
@@ -177,23 +177,6 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// An L2 policy that keeps key rows cached ahead of other traffic: the other query rows of a prompt
-// gather many of the same rows.
-__device__ __forceinline__ uint64_t keep_in_l2_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// copy_async_16 for a chunk of a key row: L2 `policy`, and the L2 fetches the surrounding 256 bytes
-// (the row's next chunks, which this warp asks for next) in one request.
-__device__ __forceinline__ void copy_async_16_row(void* dst, const void* src, bool valid, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0), "l"(policy)
                : "memory");
 }
 
@@ -396,19 +379,30 @@ __device__ __forceinline__ void claim_stage(Shared& s, const LaneIds& ids, int t
   if (lane < 16) s.bias[stage][ids.bias_key] = ids.bias >= 0 ? 0.0f : -INFINITY;
 }
 
-// This thread's part of the stage is stored: fence it to wgmma; in a pair, once every producer of
-// the CTA is done, send the CTA's half of the tile (its rows of each column block) to the peer,
-// whose FULL barrier counts the bytes; then arrive on FULL.
+constexpr int LEFT_BLOCKS = V_COLS_PER_WARP / BLOCK_COLS;  // column blocks of FULL's first half (4)
+
+// Column blocks [first, end) of FULL half `half` (0: 0..3, 1: 4..DQK / 64 - 1).
+__device__ __forceinline__ int half_begin(int half) { return half == 0 ? 0 : LEFT_BLOCKS; }
+template <int DQK>
+__device__ __forceinline__ int half_end(int half) { return half == 0 ? LEFT_BLOCKS : DQK / BLOCK_COLS; }
+
+// This thread's part of FULL halves first..last of the stage is stored: fence it to wgmma; in a
+// pair, once every producer of the CTA is done, send the CTA's rows of those column blocks to the
+// peer, whose FULL halves count the bytes; then arrive on them.
 template <int DQK, int PAIR>
-__device__ __forceinline__ void hand_over_stage(Shared& s, int stage, int rank) {
+__device__ __forceinline__ void hand_over(Shared& s, int stage, int rank, int first, int last) {
   fence_to_wgmma();
   if constexpr (PAIR > 1) {
     bar_sync(BAR_PRODUCERS, PRODUCER_THREADS);
-    if (threadIdx.x == 0) Barrier::expect_transaction(&s.full[stage], KEYS / PAIR * DQK * 2);
-    if (threadIdx.x < DQK / BLOCK_COLS)
-      copy_to_peer(s.k[stage][threadIdx.x] + rank * (KEYS / PAIR) * 128, rank ^ 1, KEYS / PAIR * 128, &s.full[stage]);
+    if (threadIdx.x == 0)
+      for (int h = first; h <= last; ++h)
+        Barrier::expect_transaction(&s.full[stage][h], KEYS / PAIR * 128 * (half_end<DQK>(h) - half_begin(h)));
+    const int block = half_begin(first) + static_cast<int>(threadIdx.x);
+    if (block < half_end<DQK>(last))
+      copy_to_peer(s.k[stage][block] + rank * (KEYS / PAIR) * 128, rank ^ 1, KEYS / PAIR * 128,
+                   &s.full[stage][block < LEFT_BLOCKS ? 0 : 1]);
   }
-  Barrier::arrive(&s.full[stage]);
+  for (int h = first; h <= last; ++h) Barrier::arrive(&s.full[stage][h]);
 }
 
 // FP8 keys. Producer warp `warp` (0..3): the scores' bias of keys 16 * warp .. 16 * warp + 15 of
@@ -441,7 +435,7 @@ __device__ void produce_fp8(const SparseAttentionArgs& a, const Work& w, Shared&
       store_batch(batch, s.k[stage][0], first + i * KEYS_IN_FLIGHT, lane);
       batch = next;
     }
-    hand_over_stage<D_QK, PAIR>(s, stage, rank);
+    hand_over<D_QK, PAIR>(s, stage, rank, 0, 1);
   }
 }
 
@@ -463,22 +457,25 @@ __device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared
   const int part = lane % lanes_per_key;
   LaneIds ids(a, w, KEYS_PER_PRODUCER_WARP * warp + lane % 16, key);
   const uint8_t* keys = static_cast<const uint8_t*>(a.keys);
-  const uint64_t policy = keep_in_l2_policy();
   for (int t = 0; t < w.tiles; ++t) {
     const int stage = t % STAGES;
     claim_stage(s, ids, t, stage, lane);
     const uint8_t* src = keys + static_cast<int64_t>(max(ids.gather, 0)) * (DQK * 2) + part * 16;
     uint8_t* dst = s.k[stage][0] + key * 128;
+    constexpr int left = LEFT_BLOCKS * 8 / lanes_per_key;  // the lane's chunks in FULL's first half
 #pragma unroll
     for (int k = 0; k < row_chunks / lanes_per_key; ++k) {  // chunk c = lanes_per_key * k + part: swizzle(key, c)
       const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
-      copy_async_16_row(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
-                        src + lanes_per_key * k * 16, ids.gather >= 0, policy);
+      copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
+                    src + lanes_per_key * k * 16, ids.gather >= 0);
+      if (k == left - 1) asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     ids.advance(t);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    hand_over<DQK, PAIR>(s, stage, rank, 0, 0);  // the scores start on the first half meanwhile
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    hand_over_stage<DQK, PAIR>(s, stage, rank);
+    hand_over<DQK, PAIR>(s, stage, rank, 1, 1);
   }
 }
 
@@ -591,15 +588,21 @@ __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work&
     const int stage = t % STAGES;
     const uint64_t k_desc = sw128_desc(s.k[stage][0], 16, 1024);
     const uint64_t v_desc = sw128_desc(s.k[stage][0], BLOCK_BYTES, 1024);  // column blocks 0..3, MN-major
-    Barrier::wait(&s.full[stage], (t / STAGES) & 1);
+    Barrier::wait(&s.full[stage][0], (t / STAGES) & 1);
 
     // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
-    // 16-byte units); the first step overwrites sc.
+    // 16-byte units); the first step overwrites sc. The first half's blocks go first, while the
+    // rest of the stage may still be arriving.
     float sc[S_TILES][4];
     fence_fragments(sc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < DQK / 16; ++kk) {
+      if (kk == LEFT_BLOCKS * 4) {
+        cute::warpgroup_commit_batch();
+        Barrier::wait(&s.full[stage][1], (t / STAGES) & 1);
+        cute::warpgroup_arrive();
+      }
       const uint64_t step = ((kk / 4) * BLOCK_BYTES + (kk % 4) * 32) >> 4;
       wgmma<ScoreMma>(q_desc + step, k_desc + step, sc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
     }
@@ -693,7 +696,7 @@ __device__ void upper_values(const SparseAttentionArgs& a, const Work& w, Shared
     const int stage = t % STAGES;
     const uint64_t v_desc = sw128_desc(s.k[stage][V_COLS_PER_WARP / BLOCK_COLS], BLOCK_BYTES, 1024);
     bar_sync(BAR_P_READY, CONSUMER_THREADS);
-    Barrier::wait(&s.full[stage], (t / STAGES) & 1);  // complete already (warpgroup 0 waited for it)
+    Barrier::wait(&s.full[stage][1], (t / STAGES) & 1);  // complete already (warpgroup 0 waited for it)
     const float alpha[2] = {s.alpha[16 * r + g], s.alpha[16 * r + g + 8]};
     rescale(acc, alpha);
     fence_fragments(acc);
@@ -750,7 +753,8 @@ __global__ void __launch_bounds__(THREADS, 1) attention_kernel(const __grid_cons
   const int rank = w.head_block % PAIR;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < STAGES; ++stage) {
-      Barrier::init(&s.full[stage], PRODUCER_THREADS);
+      Barrier::init(&s.full[stage][0], PRODUCER_THREADS);
+      Barrier::init(&s.full[stage][1], PRODUCER_THREADS);
       Barrier::init(&s.empty[stage], CONSUMER_WARPS * PAIR);
     }
     cutlass::arch::fence_barrier_init();
