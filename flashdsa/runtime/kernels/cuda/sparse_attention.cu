@@ -594,16 +594,17 @@ __device__ void score_and_lower_values(const SparseAttentionArgs& a, const Work&
     const uint64_t k_desc = sw128_desc(s.k[stage][0], 16, 1024);
     const uint64_t v_desc = sw128_desc(s.k[stage][0], BLOCK_BYTES, 1024);  // column blocks 0..3, MN-major
     Barrier::wait(&s.full[stage][0], (t / STAGES) & 1);
+    if constexpr (PAIR == 1) Barrier::wait(&s.full[stage][1], (t / STAGES) & 1);  // one batch: nothing to overlap
 
     // S = Q K^T, 16 columns a step (a column block is 4 steps of 32 bytes; descriptors count
-    // 16-byte units); the first step overwrites sc. The first half's blocks go first, while the
-    // rest of the stage may still be arriving.
+    // 16-byte units); the first step overwrites sc. In a pair the first half's blocks go first,
+    // while the rest of the stage (its bulk copy from the peer) may still be arriving.
     float sc[S_TILES][4];
     fence_fragments(sc);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < DQK / 16; ++kk) {
-      if (kk == LEFT_BLOCKS * 4) {
+      if (PAIR > 1 && kk == LEFT_BLOCKS * 4) {
         cute::warpgroup_commit_batch();
         Barrier::wait(&s.full[stage][1], (t / STAGES) & 1);
         cute::warpgroup_arrive();
