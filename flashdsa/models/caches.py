@@ -99,34 +99,80 @@ def gather_fp8_keys(pool: torch.Tensor, block_table: torch.Tensor, length: int) 
     return k_fp8, gather_rows(scales[..., None], block_table, length)[:, 0]
 
 
-def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> torch.Tensor:
-    """Map per-token cache positions ``[T, k]`` (-1 = none) to slot ids ``[T, k]`` int32 (-1 kept)."""
-    return cache_positions_to_slots(positions, meta.seq_ids, meta.block_tables, block_size)
+def positions_to_slots(positions: torch.Tensor, meta: BatchMetadata, block_size: int = BLOCK_SIZE,
+                       tokens: slice = slice(None)) -> torch.Tensor:
+    """Map the cache positions ``[t, k]`` (-1 = none) of the step's ``tokens`` (default all) to slot
+    ids ``[t, k]`` int32 (-1 kept)."""
+    return cache_positions_to_slots(positions, meta.seq_ids[tokens], meta.block_tables, block_size)
 
 
-# A step attends over a dequantized copy of its blocks when it has at least this many query tokens
-# (the forward has no split over the top-k: fewer rows leave SMs idle, where the decode kernel
-# splits) and its blocks hold at most this many tokens per query token (the copy is read and
-# written once per layer; a query row's attention costs as much as ~500 tokens of it).
-DEQUANTIZED_MIN_TOKENS = 512
+# Sequences attend over a dequantized copy of their blocks when their context holds at most this
+# many tokens per query token (a prompt or a prompt's chunk: the copy is read and written once per
+# layer, and a query row's attention costs as much as ~500 tokens of it), and when consecutive such
+# sequences bring at least this many query tokens (the forward has no split over the top-k: fewer
+# rows leave SMs idle, where the decode kernel splits).
 DEQUANTIZED_TOKENS_PER_QUERY = 16
+DEQUANTIZED_MIN_TOKENS = 512
 
 
-def dequantized_prefill(meta: BatchMetadata) -> bool:
-    """Whether this step's FP8-cache attention runs as ``sparse_mla_fwd`` over bf16 rows of its
-    blocks (a prefill: many query rows over contexts of similar length; FlashMLA's prefill reads
-    bf16 keys likewise) rather than the decode kernel over the cache. Host ints only."""
-    tokens = sum(meta.query_lens)
-    rows = meta.block_tables.numel() * BLOCK_SIZE
-    return tokens >= DEQUANTIZED_MIN_TOKENS and rows <= DEQUANTIZED_TOKENS_PER_QUERY * tokens
+@dataclass(frozen=True)
+class AttentionRun:
+    """Consecutive sequences ``[first, end)`` of a step (tokens ``[token_first, token_end)``) whose
+    FP8-cache attention runs one way: ``sparse_mla_fwd`` over bf16 rows of their blocks
+    (``dequantized``, whose ``width`` blocks per sequence cover their contexts) or the decode
+    kernel over the cache. Host ints only."""
+
+    first: int
+    end: int
+    token_first: int
+    token_end: int
+    dequantized: bool
+    width: int = 0
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.token_first, self.token_end)
 
 
-def dequantized_keys(pool: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
+def attention_runs(meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> list[AttentionRun]:
+    """The step's sequences in order, grouped into runs (FlashMLA's prefill reads bf16 keys too;
+    a decode batch stays on the decode kernel; a step that mixes decodes with a prompt's chunk, as
+    chunked prefill does, runs each part its way). One run for most steps."""
+    if sum(meta.query_lens) < DEQUANTIZED_MIN_TOKENS:  # every decode step: no per-sequence pass
+        return [AttentionRun(0, len(meta.query_lens), 0, sum(meta.query_lens), False)]
+    runs: list[AttentionRun] = []
+    token = 0
+    for b, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
+        prompt = length <= DEQUANTIZED_TOKENS_PER_QUERY * n
+        width = -(-length // block_size) if prompt else 0
+        if runs and runs[-1].dequantized == prompt:
+            last = runs.pop()
+            runs.append(AttentionRun(last.first, b + 1, last.token_first, token + n, prompt, max(last.width, width)))
+        else:
+            runs.append(AttentionRun(b, b + 1, token, token + n, prompt, width))
+        token += n
+    merged: list[AttentionRun] = []
+    for run in runs:
+        rows = (run.end - run.first) * run.width * block_size
+        n = run.token_end - run.token_first
+        if run.dequantized and (n < DEQUANTIZED_MIN_TOKENS or rows > DEQUANTIZED_TOKENS_PER_QUERY * n):
+            run = AttentionRun(run.first, run.end, run.token_first, run.token_end, False)
+        if merged and not run.dequantized and not merged[-1].dequantized:
+            last = merged.pop()
+            run = AttentionRun(last.first, run.end, last.token_first, run.token_end, False)
+        merged.append(run)
+    return merged
+
+
+def dequantized_keys(pool: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata, run: AttentionRun,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's blocks as key rows ``[B * max_blocks * block_size, 1, 576]`` (sequence b's table
-    row after row, so position p of sequence b is row ``b * max_blocks * block_size + p``), and the
-    rows ``[T, k]`` int32 of per-token cache ``positions: [T, k]`` (-1 kept)."""
-    keys = dequantize_mla_blocks(pool, meta.block_tables.flatten(), dtype)
-    per_sequence = meta.block_tables.shape[1] * pool.shape[1]
-    rows = torch.where(positions >= 0, positions + (meta.seq_ids * per_sequence)[:, None], -1)
+    """The run's blocks as key rows ``[sequences * width * block_size, 1, 576]`` (each sequence's
+    first ``run.width`` table entries in turn, so position p of the run's j-th sequence is row
+    ``j * width * block_size + p``), and the rows ``[t, k]`` int32 of its tokens' cache
+    ``positions: [t, k]`` (-1 kept)."""
+    width = min(run.width, meta.block_tables.shape[1])  # a bound with room for a draft may pass the table
+    keys = dequantize_mla_blocks(pool, meta.block_tables[run.first : run.end, :width].flatten(), dtype)
+    per_sequence = width * pool.shape[1]
+    offsets = (meta.seq_ids[run.tokens] - run.first) * per_sequence
+    rows = torch.where(positions >= 0, positions + offsets[:, None], -1)
     return keys, rows.to(torch.int32)

@@ -29,8 +29,8 @@ from flashdsa.models.caches import (
     ModelCaches,
     allocate_caches,
     cache_bytes_per_block,
+    attention_runs,
     dequantized_keys,
-    dequantized_prefill,
     positions_to_slots,
     store_latent,
 )
@@ -140,24 +140,31 @@ class MLA(nn.Module):
 
         w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, 128, 512] each
-        o_lat = self._attend(absorbed_query(q_nope, q_pe, w_uk), mla_pool, selected, meta)  # [T, H, 512]
-        o = torch.einsum("thc,hdc->thd", o_lat, w_uv)  # [T, H, v_head_dim]
+        q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, 576]
+        # [t, H, v_head_dim] a run of sequences at a time (one run in most steps: no concatenation)
+        parts = [torch.einsum("thc,hdc->thd", o_lat, w_uv) for o_lat in self._attend(q, mla_pool, selected, meta)]
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.shard.all_reduce(self.o_proj(o.flatten(1)))
 
     def _attend(self, q: torch.Tensor, pool: torch.Tensor, positions: torch.Tensor,
-                meta: BatchMetadata) -> torch.Tensor:
-        """Sparse attention of ``q: [T, H, d_qk]`` over each token's cache ``positions: [T, topk]``."""
+                meta: BatchMetadata) -> list[torch.Tensor]:
+        """Sparse attention of ``q: [T, H, d_qk]`` over each token's cache ``positions: [T, topk]``:
+        the outputs ``[t, H, kv_lora_rank]`` of consecutive runs of tokens (``attention_runs``)."""
         scale, d_v = self.config.softmax_scale, self.config.kv_lora_rank
-        if pool.dtype == torch.uint8 and dequantized_prefill(meta):  # the forward over bf16 rows of the blocks
-            kv, rows = dequantized_keys(pool, positions, meta, q.dtype)
-            return sparse_mla_fwd(q, kv, rows[:, None, :], scale, d_v)[0]
-        slots = positions_to_slots(positions, meta, pool.shape[1])  # [T, topk] slot ids
-        if pool.dtype == torch.uint8:  # FP8 pool: the decode kernel reads slot ids directly
-            out, _ = sparse_mla_decode(q[None], pool, slots[None], scale, d_v)
-            return out[0]
-        kv = pool.view(-1, 1, pool.shape[-1])  # [num_blocks * 64, 1, d_qk]: slot ids index it
-        out, _, _ = sparse_mla_fwd(q, kv, slots[:, None, :], scale, d_v)
-        return out
+        if pool.dtype != torch.uint8:  # float pool (reference mode): slot ids index its rows
+            kv = pool.view(-1, 1, pool.shape[-1])  # [num_blocks * 64, 1, d_qk]
+            slots = positions_to_slots(positions, meta, pool.shape[1])
+            return [sparse_mla_fwd(q, kv, slots[:, None, :], scale, d_v)[0]]
+        outs = []
+        for run in attention_runs(meta, pool.shape[1]):
+            q_run, positions_run = q[run.tokens], positions[run.tokens]
+            if run.dequantized:  # the forward over bf16 rows of the run's blocks
+                kv, rows = dequantized_keys(pool, positions_run, meta, run, q.dtype)
+                outs.append(sparse_mla_fwd(q_run, kv, rows[:, None, :], scale, d_v)[0])
+            else:  # the decode kernel reads slot ids of the FP8 cache directly
+                slots = positions_to_slots(positions_run, meta, pool.shape[1], run.tokens)
+                outs.append(sparse_mla_decode(q_run[None], pool, slots[None], scale, d_v)[0][0])
+        return outs
 
 
 class DecoderLayer(nn.Module):

@@ -135,10 +135,11 @@ def test_a_step_reads_only_the_blocks_of_its_sequences(request, random_ids, chec
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_prefill_over_dequantized_blocks_matches_the_decode_kernel(full_width, random_ids, monkeypatch, device):
-    """A prefill step attends through ``sparse_mla_fwd`` over bf16 rows of its blocks; each layer's
+    """Prompts attend through ``sparse_mla_fwd`` over bf16 rows of their blocks; each layer's
     attention, run again through the decode kernel over the FP8 cache on the same inputs, agrees to
-    bf16 rounding of the keys (two sequences of different lengths, so the second's rows start past
-    the first's padded table row). Layer by layer: the tiny random model amplifies any difference
+    bf16 rounding of the keys. Step 1: two prompts of different lengths (the second's rows start
+    past the first's padded table row). Step 2 mixes two decode tokens with a third prompt (a decode
+    run, then a dequantized one). Layer by layer: the tiny random model amplifies any difference
     through the next layers' top-k choices."""
     import flashdsa.models.caches as caches_module
     from flashdsa.models.deepseek_v32 import MLA
@@ -146,33 +147,44 @@ def test_prefill_over_dequantized_blocks_matches_the_decode_kernel(full_width, r
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = load_model(full_width, mode="production", device=device)
-    ids = torch.cat([random_ids(130, 1), random_ids(75, 2)]).to(device)
-    meta = step_metadata([0, 0], [130, 75], contiguous_block_tables([130, 75]), device=device)
+    table = contiguous_block_tables([131, 76, 600])
+    caches = model.allocate_caches(int(table.max()) + 1)
     calls, errors = [], []
     dequantize, attend = caches_module.dequantize_mla_blocks, MLA._attend
     monkeypatch.setattr(caches_module, "dequantize_mla_blocks", lambda *a: calls.append(1) or dequantize(*a))
 
     def both_paths(self, q, pool, positions, meta):
         monkeypatch.setattr(caches_module, "DEQUANTIZED_MIN_TOKENS", 10**9)
-        over_cache = attend(self, q, pool, positions, meta)
+        over_cache = torch.cat(attend(self, q, pool, positions, meta))
         monkeypatch.setattr(caches_module, "DEQUANTIZED_MIN_TOKENS", 1)
-        out = attend(self, q, pool, positions, meta)
+        outs = attend(self, q, pool, positions, meta)
+        out = torch.cat(outs)
         errors.append(((out - over_cache).abs().max() / over_cache.abs().max()).item())
-        return out
+        return outs
 
     monkeypatch.setattr(MLA, "_attend", both_paths)
-    logits = model(ids, meta, model.allocate_caches(8))
-    assert len(calls) == len(errors) == len(model.model.layers)
-    assert logits.isfinite().all() and max(errors) <= 1e-2, errors
+    for cached, new in (([0, 0, 0], [130, 75, 0]), ([130, 75, 0], [1, 1, 600])):
+        ids = random_ids(sum(new), sum(cached)).to(device)
+        logits = model(ids, step_metadata(cached, new, table, device=device), caches)
+        assert logits.isfinite().all()
+    layers = len(model.model.layers)
+    assert len(calls) == len(errors) == 2 * layers  # one copy a layer in each step (step 2: the prompt's run)
+    assert max(errors) <= 1e-2, errors
 
 
-def test_only_prefill_heavy_steps_attend_over_dequantized_blocks():
-    from flashdsa.models.caches import dequantized_prefill
+def test_attention_runs_group_prompts_apart_from_decodes():
+    from flashdsa.models.caches import attention_runs
 
-    def step(cached, new):
-        return step_metadata(cached, new, contiguous_block_tables([c + n for c, n in zip(cached, new)]))
+    def runs(cached, new):
+        meta = step_metadata(cached, new, contiguous_block_tables([c + n for c, n in zip(cached, new)]))
+        return [(r.first, r.end, r.token_first, r.token_end, r.dequantized) for r in attention_runs(meta)]
 
-    assert dequantized_prefill(step([0], [600]))  # a prompt
-    assert dequantized_prefill(step([7000], [1000]))  # a late chunk of a long prompt: 8000 rows for 1000 queries
-    assert not dequantized_prefill(step([0], [100]))  # too few rows to fill the GPU without a top-k split
-    assert not dequantized_prefill(step([16000] * 600, [1] * 600))  # decode: 16K rows per query token
+    assert runs([0], [600]) == [(0, 1, 0, 600, True)]  # a prompt
+    assert runs([7000], [1000]) == [(0, 1, 0, 1000, True)]  # a late chunk: 8000 rows for 1000 queries
+    assert runs([0], [100]) == [(0, 1, 0, 100, False)]  # too few rows to fill the GPU without a top-k split
+    assert runs([16000] * 600, [1] * 600) == [(0, 600, 0, 600, False)]  # decode: 16K rows per query token
+    # chunked prefill: decodes, a prompt's chunk, a decode, two short prompts that together fill the GPU
+    assert runs([9000, 5000, 0, 4000, 0, 0], [1, 1, 2000, 1, 300, 300]) == [
+        (0, 2, 0, 2, False), (2, 3, 2, 2002, True), (3, 4, 2002, 2003, False), (4, 6, 2003, 2603, True)]
+    # a short prompt between decodes stays on the decode kernel with them
+    assert runs([9000, 0, 9000, 0], [1, 100, 1, 700]) == [(0, 3, 0, 102, False), (3, 4, 102, 802, True)]

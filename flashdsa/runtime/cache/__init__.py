@@ -165,7 +165,7 @@ def dequantize_mla_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype
     Returns ``[N * block_size, 1, 576]`` in ``dtype`` (bf16, or fp32/fp64 on the reference
     backend): row ``j * block_size + o`` is token o of block ``block_ids[j]``, latent
     (e4m3 x scale) then k_pe, as the decode kernels dequantize it. The sparse prefill runs
-    ``sparse_mla_fwd`` over these rows (the model's ``dequantized_prefill``).
+    ``sparse_mla_fwd`` over these rows (the model's ``attention_runs``).
     """
     check_tensor("kv_cache", kv_cache, torch.uint8, [None, None, 1, MLA_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 656]")
