@@ -9,7 +9,8 @@
 - indexer prefill: 4096 queries over 64K keys (causal ranges): logits (FP8 TFLOPS over the
   in-range pairs) and the fused score + top-2048.
 - top-k 2048 of 128K per row, 128 rows, vs torch.topk (floor 3x).
-- cache writes: 16K tokens.
+- cache writes: 16K tokens; and the prefill's read of 256 whole blocks (16K tokens) of the FP8
+  MLA cache as bf16 rows (``cache.dequantize_mla_blocks``), GB/s of bytes read + written.
 
     python3 benchmarks/bench_decode_indexer.py [--output BENCHMARKS.md]
 """
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from benchmarks.common import Row, cache_keys, compiled_stats, kernel_split, median_ms, output_parser, report
 from flashdsa.runtime import dispatch, native
+from flashdsa.runtime.cache import dequantize_mla_blocks
 from flashdsa.runtime.cache.triton import writes
 from flashdsa.runtime.checks import trusted_values
 from flashdsa.runtime.indexer import indexer_fused_topk, indexer_topk
@@ -206,14 +208,16 @@ def bench_writes(device) -> list[Row]:
     slots = torch.randperm(blocks * BS, device=device)[:tokens]
     mla = torch.zeros(blocks, BS, 1, 656, dtype=torch.uint8, device=device)
     idx = torch.zeros(blocks, BS, 1, 132, dtype=torch.uint8, device=device)
+    block_ids = torch.randperm(blocks, device=device)[: tokens // BS].int()
     rows = []
     for name, call, moved in (
         ("write_mla_cache triton", lambda: writes.write_mla_cache(x[:, :512], x[:, 512:], mla, slots), 576 * 2 + 656),
         ("write_indexer_cache triton", lambda: writes.write_indexer_cache(x[:, :128], idx, slots), 128 * 2 + 132),
+        ("dequantize_mla_blocks", lambda: dequantize_mla_blocks(mla, block_ids), 656 + 576 * 2),
     ):
         try:
             ms = median_ms([call])
-        except Exception as e:  # report the other write
+        except Exception as e:  # report the others
             log.warning("%s failed: %s", name, str(e).splitlines()[0][:200])
             continue
         rows.append(Row(name, f"T={tokens}", ms, tokens * moved / ms / 1e6, "GB/s", 1.0, "report only"))
