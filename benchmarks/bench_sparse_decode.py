@@ -57,6 +57,7 @@ def bench_shape(device, b: int, s_q: int, h_q: int, fm) -> list[Row]:
             outs[name] = call(*sets[0])[0].float()
         except Exception as e:  # one failing backend must not hide the others
             log.warning("%s at %s failed: %s", name, shape, str(e).splitlines()[0][:300])
+
     def differences(name: str) -> list[str]:
         return [f"max |out - {other}| {(outs[name] - outs[other]).abs().max().item():.1e}"
                 for other in ("FlashMLA", "triton") if other in outs and other != name]

@@ -57,6 +57,7 @@ def bench_shape(device, s_kv: int, h_q: int, fm) -> list[Row]:
             outs[name] = (out.float(), lse.float())
         except Exception as e:  # one failing backend must not hide the others
             log.warning("%s at %s failed: %s", name, shape, str(e).splitlines()[0][:300])
+
     def differences(name: str) -> list[str]:
         return [f"max |out - {other}| {(outs[name][0] - outs[other][0]).abs().max().item():.1e}, "
                 f"|lse - {other}| {(outs[name][1] - outs[other][1]).abs().max().item():.1e}"

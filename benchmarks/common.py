@@ -127,7 +127,8 @@ def side_by_side_rows(op: str, shape: str, times: dict[str, float], differences:
     rows = []
     for name, ms in times.items():
         notes = [f"{times['FlashMLA'] / ms:.2f}x FlashMLA"] if "FlashMLA" in times else []
-        rows.append(Row(f"{op} {name}", shape, ms, flops / ms / 1e9, "TFLOPS", target, "; ".join(notes + differences(name))))
+        note = "; ".join(notes + differences(name))
+        rows.append(Row(f"{op} {name}", shape, ms, flops / ms / 1e9, "TFLOPS", target, note))
         print(rows[-1])
     return rows
 

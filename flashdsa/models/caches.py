@@ -8,7 +8,7 @@ Two precision modes share one paging scheme (block size 64, slot = block_id * 64
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -138,29 +138,29 @@ def attention_runs(meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> list[At
     """The step's sequences in order, grouped into runs (FlashMLA's prefill reads bf16 keys too;
     a decode batch stays on the decode kernel; a step that mixes decodes with a prompt's chunk, as
     chunked prefill does, runs each part its way). One run for most steps."""
-    if sum(meta.query_lens) < DEQUANTIZED_MIN_TOKENS:  # every decode step: no per-sequence pass
-        return [AttentionRun(0, len(meta.query_lens), 0, sum(meta.query_lens), False)]
-    runs: list[AttentionRun] = []
+    total = sum(meta.query_lens)
+    if total < DEQUANTIZED_MIN_TOKENS:  # every decode step: no per-sequence pass
+        return [AttentionRun(0, len(meta.query_lens), 0, total, False)]
+    runs: list[AttentionRun] = []  # consecutive sequences with the same prompt-likeness
     token = 0
     for b, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
         prompt = length <= DEQUANTIZED_TOKENS_PER_QUERY * n
         width = -(-length // block_size) if prompt else 0
         if runs and runs[-1].dequantized == prompt:
-            last = runs.pop()
-            runs.append(AttentionRun(last.first, b + 1, last.token_first, token + n, prompt, max(last.width, width)))
+            runs[-1] = replace(runs[-1], end=b + 1, token_end=token + n, width=max(runs[-1].width, width))
         else:
             runs.append(AttentionRun(b, b + 1, token, token + n, prompt, width))
         token += n
-    merged: list[AttentionRun] = []
+    merged: list[AttentionRun] = []  # prompt runs too small (or too padded) join the decode runs
     for run in runs:
-        rows = (run.end - run.first) * run.width * block_size
         n = run.token_end - run.token_first
+        rows = (run.end - run.first) * run.width * block_size
         if run.dequantized and (n < DEQUANTIZED_MIN_TOKENS or rows > DEQUANTIZED_TOKENS_PER_QUERY * n):
-            run = AttentionRun(run.first, run.end, run.token_first, run.token_end, False)
+            run = replace(run, dequantized=False, width=0)
         if merged and not run.dequantized and not merged[-1].dequantized:
-            last = merged.pop()
-            run = AttentionRun(last.first, run.end, last.token_first, run.token_end, False)
-        merged.append(run)
+            merged[-1] = replace(merged[-1], end=run.end, token_end=run.token_end)
+        else:
+            merged.append(run)
     return merged
 
 
