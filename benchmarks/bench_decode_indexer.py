@@ -3,7 +3,8 @@
 - decode: b=128, s_q=2, h_q=128, topk=2048, s_kv=32K per request, slot ids uniform over each
   request's context; FLOPs 2*h_q*topk*(d_qk+d_v) per query token; floor 200 TFLOPS. A sweep of
   (keys per step, warps, stages) with each variant's registers, spills and shared memory.
-- indexer decode: b=64, context 128K, H=64: paged logits + top-2048 (the public top-k: native on
+- indexer decode: b=64, context 128K, H=64: paged logits (a sweep of the Triton kernel's launch
+  and the native kernel's blocks per CTA) + top-2048 of the fastest (the public top-k: native on
   SM90), GB/s of indexer cache read (132 B/token) vs 50% of the copy bandwidth measured in the
   same run (bytes read + written) for the logits alone, 80% for both.
 - indexer prefill: 4096 queries over 64K keys (causal ranges): logits (FP8 TFLOPS over the
@@ -49,6 +50,7 @@ PAGED_CONFIGS = [  # (tokens per step, steps per program, warps, stages, heads o
     (None, None, 4, 3, True), (64, 16, 4, 3, False), (128, 8, 4, 3, False), (64, 16, 4, 3, True), (128, 8, 4, 3, True),
     (128, 8, 8, 3, True), (256, 4, 8, 2, True),
 ]
+CUDA_BLOCKS_PER_CTA = (4, 8, 16, 32)  # the native paged logits' launch sweep
 PREFILL_Q, PREFILL_KEYS = 4096, 65536
 TOPK_CONFIGS = [  # (columns per program of the histogram/collect passes, None: ~16 programs per SM; warps; block)
     (None, 8, 2048), (None, 4, 1024), (2048, 4, 1024), (4096, 8, 2048), (16384, 8, 2048),
@@ -125,15 +127,25 @@ def bench_indexer_decode(device, copy_gbs) -> list[Row]:
     read = INDEXER_B * INDEXER_CTX * 132
     target = 0.5 * copy_gbs
     shape = f"b={INDEXER_B} ctx={INDEXER_CTX // 1024}K H={INDEXER_H}"
-    rows, best = [], None
+    variants = {}  # label -> the call of one logits launch
     for tokens, steps, warps, stages, heads_on_n in PAGED_CONFIGS:
         knobs = dict(tokens_per_step=tokens, steps=steps, num_warps=warps, num_stages=stages, heads_on_n=heads_on_n)
-        ms = median_ms([lambda: logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **knobs)])
-        rows.append(Row("indexer logits paged", shape, ms, read / ms / 1e6, "GB/s", target,
-                        f"tokens={tokens} steps={steps} w={warps} st={stages} heads_on_n={heads_on_n}"))
+        variants[f"triton tokens={tokens} steps={steps} w={warps} st={stages} heads_on_n={heads_on_n}"] = (
+            lambda knobs=knobs: logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **knobs))
+    if "cuda" in dispatch.available("indexer_logits_paged") and native.unavailable() is None:
+        from flashdsa.runtime.indexer.cuda import paged_logits
+
+        for per_cta in CUDA_BLOCKS_PER_CTA:
+            variants[f"cuda blocks_per_cta={per_cta}"] = (
+                lambda per_cta=per_cta: paged_logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX,
+                                                                          blocks_per_cta=per_cta))
+    rows, times = [], {}
+    for label, call in variants.items():
+        times[label] = median_ms([call])
+        rows.append(Row("indexer logits paged", shape, times[label], read / times[label] / 1e6, "GB/s", target, label))
         print(rows[-1])
-        best = knobs if best is None or ms < min(r.ms for r in rows[:-1]) else best
-    scores = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
+    best = min(times, key=times.get)
+    scores = variants[best]()
     starts = torch.zeros(INDEXER_B, dtype=torch.int32, device=device)
     ends = torch.full_like(starts, INDEXER_CTX)
     backend = dispatch.choose("indexer_topk", device, topk=TOPK)
@@ -143,13 +155,12 @@ def bench_indexer_decode(device, copy_gbs) -> list[Row]:
                         target, f"top-k alone ({backend}, unsorted), rate in cache bytes"))
 
         def both():
-            s = logits.indexer_logits_paged(q, w, pool, lens, table, INDEXER_CTX, **best)
-            return indexer_topk(s, TOPK, starts, ends, sorted=False)
+            return indexer_topk(variants[best](), TOPK, starts, ends, sorted=False)
 
         ms = median_ms([both])
     rows.append(Row("indexer logits + top-k decode", shape + f" topk={TOPK}", ms, read / ms / 1e6, "GB/s",
                     0.8 * copy_gbs, f"{100 * read / ms / 1e6 / copy_gbs:.0f}% of copy {copy_gbs:.0f} GB/s (target "
-                    f"80%); top-k {backend}; {best}"))
+                    f"80%); top-k {backend}; logits {best}"))
     print(rows[-1])
     return rows
 

@@ -69,10 +69,10 @@ def test_rejects_bad_input_naming_x(bad):
 
 
 def test_every_indexer_op_has_reference_and_triton_backends_registered():
-    ops = ("hadamard_transform", "indexer_logits", "indexer_logits_paged")
+    ops = ("hadamard_transform", "indexer_logits")
     assert all(dispatch.available(op) == ["triton", "reference"] for op in ops)
-    assert dispatch.available("indexer_topk") == ["cuda", "triton", "reference"]
-    assert dispatch.available("indexer_fused_topk") == ["cuda", "triton", "reference"]
+    for op in ("indexer_logits_paged", "indexer_topk", "indexer_fused_topk"):
+        assert dispatch.available(op) == ["cuda", "triton", "reference"]
 
 
 @pytest.mark.parametrize("facts, reason", [
@@ -94,3 +94,11 @@ def test_rotate_quantize_is_the_rotation_then_the_quantization():
     for bad in (torch.randn(3, 64), torch.randn(3, 128, dtype=torch.float64), torch.zeros(128, dtype=torch.int32)):
         with pytest.raises(ValueError, match="^x must be"):
             indexer.rotate_quantize_indexer(bad)
+
+
+@pytest.mark.parametrize("facts, reason", [
+    (dict(block_size=128), "64-token cache blocks"), (dict(next_n=5), "256 columns"),
+    (dict(next_n=3, heads=128), "256 columns"), (dict(heads=257), "256 columns"),
+])
+def test_cuda_paged_support_check_names_what_it_cannot_serve(facts, reason):
+    assert reason in indexer._cuda_paged_supports(**facts)

@@ -13,6 +13,7 @@ GPU tests are marked ``gpu``; the CPU test runs tiny cases under TRITON_INTERPRE
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -102,14 +103,18 @@ def paged_inputs(batch, next_n, num_heads, lens, device, g):
     return tuple(t.to(device) for t in (q, weights, pool, lens, table)) + (max_len + 5,)
 
 
-def check_paged(q, weights, pool, lens, table, width, **knobs):
-    """Public op (or, with launch ``knobs``, the backend itself) vs the reference."""
-    if knobs:
-        from flashdsa.runtime.indexer.triton import logits as kernels
+PAGED_MODULES = {"triton": "flashdsa.runtime.indexer.triton.logits", "cuda": "flashdsa.runtime.indexer.cuda.paged_logits"}
 
-        got = kernels.indexer_logits_paged(q, weights, pool, lens, table, width, **knobs)
-    else:
-        got = indexer_logits_paged(q, weights, pool, lens, table, width, backend="triton")
+
+def check_paged(q, weights, pool, lens, table, width, backend="triton", **knobs):
+    """Public op (or, with launch ``knobs``, the backend itself) vs the reference; the output is
+    poisoned before the kernel writes it."""
+    with poisoned_empty():
+        if knobs:
+            module = importlib.import_module(PAGED_MODULES[backend])
+            got = module.indexer_logits_paged(q, weights, pool, lens, table, width, **knobs)
+        else:
+            got = indexer_logits_paged(q, weights, pool, lens, table, width, backend=backend)
     ref = reference.indexer_logits_paged(q, weights, pool, lens, table, width)
     abs_pool = pool.clone()
     keys, _ = indexer_block_views(abs_pool)

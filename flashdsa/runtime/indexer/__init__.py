@@ -21,10 +21,12 @@ both tensors or both None, whole rows, and the other ops' are always tensors):
   indexer_topk           cuda       flashdsa.runtime.indexer.cuda.topk:indexer_topk (SM90)
   indexer_fused_topk     cuda       flashdsa.runtime.indexer.cuda.topk:indexer_fused_topk (SM90;
                                     Triton logits of whole rows, native top-k)
+  indexer_logits_paged   cuda       flashdsa.runtime.indexer.cuda.paged_logits:indexer_logits_paged (SM90)
 Triton support check (facts ``head_dim``, ``dtype``, ``topk``, ``block_size``): head_dim 128, no
 float64 input, topk <= TRITON_MAX_TOPK, power-of-two cache block size. CUDA support check: topk <=
 CUDA_MAX_TOPK and a CUDA toolchain to build the kernel with (``flashdsa.runtime.native``); the fused
-top-k's also needs the Triton logits kernel's.
+top-k's also needs the Triton logits kernel's; the paged logits' 64-token cache blocks and n * H
+within one wgmma's 256 columns (facts ``block_size``, ``next_n``, ``heads``).
 """
 
 from __future__ import annotations
@@ -76,12 +78,25 @@ def _cuda_fused_topk_supports(**facts) -> Optional[str]:
     return _triton_supports(**facts) or _cuda_topk_supports(**facts)
 
 
+def _cuda_paged_supports(block_size: int = 64, next_n: int = 1, heads: int = 64, **_) -> Optional[str]:
+    """The native paged logits kernel scores one 64-token block a wgmma, every query's heads on its N:
+    queries padded to a power of two up to 4, each to 64 / 128 / 256 divided by that many columns."""
+    if block_size != 64:
+        return f"cuda paged indexer logits need 64-token cache blocks, got {block_size}"
+    queries = 1 << max(next_n - 1, 0).bit_length()
+    if queries > 4 or heads > 256 // queries:
+        return f"cuda paged indexer logits fit n * H in 256 columns (n padded to a power of two), got n={next_n} H={heads}"
+    return native.unavailable()
+
+
 for _op, _module in _TRITON_MODULE.items():
     dispatch.register(_op, "reference", f"flashdsa.runtime.indexer.reference:{_op}")
     dispatch.register(_op, "triton", f"flashdsa.runtime.indexer.triton.{_module}:{_op}", _triton_supports)
 dispatch.register("indexer_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_topk", _cuda_topk_supports)
 dispatch.register("indexer_fused_topk", "cuda", "flashdsa.runtime.indexer.cuda.topk:indexer_fused_topk",
                   _cuda_fused_topk_supports)
+dispatch.register("indexer_logits_paged", "cuda", "flashdsa.runtime.indexer.cuda.paged_logits:indexer_logits_paged",
+                  _cuda_paged_supports)
 
 
 def _check_ranges(starts: object, ends: object, num_rows: int, length: int, device: torch.device) -> None:
@@ -232,7 +247,8 @@ def indexer_logits_paged(
     check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 132]", device)
     _check_paged(context_lens, block_tables, k_cache.shape[0], k_cache.shape[1], batch, next_n, max_context_len, device)
-    impl = dispatch.select("indexer_logits_paged", device, backend, block_size=k_cache.shape[1])
+    impl = dispatch.select("indexer_logits_paged", device, backend, block_size=k_cache.shape[1], next_n=next_n,
+                           heads=num_heads)
     return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len)
 
 

@@ -48,6 +48,7 @@
 
 #include "shared_memory_opt_in.cuh"
 #include "sparse_attention.h"
+#include "wgmma.cuh"
 
 namespace flashdsa {
 namespace {
@@ -166,11 +167,6 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
                : "memory");
 }
 
-// Makes this thread's shared-memory stores visible to wgmma (the async proxy); the barrier after
-// it hands them over. (CUTLASS's fence_view_async_shared has no memory clobber, so the compiler
-// could move the stores past it.)
-__device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // 16 bytes from global `src` to shared `dst` without registers (cp.async; commit and wait apart);
 // with valid false nothing is read and dst gets zeros.
 __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
@@ -186,53 +182,9 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return (chunk >> 3) * BLOCK_BYTES + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
-// wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
-// offsets (K-major operands: stride = 1024 between 8-row groups, leading unused; MN-major: leading
-// = the stride between 64-column blocks, stride = 1024 between 8-row groups along K).
-__device__ __forceinline__ uint64_t sw128_desc(const void* start, uint32_t leading, uint32_t stride) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(start));
-  return static_cast<uint64_t>((addr & 0x3ffff) >> 4) | static_cast<uint64_t>(leading >> 4) << 16 |
-         static_cast<uint64_t>(stride >> 4) << 32 | uint64_t{1} << 62;
-}
-
-namespace gmma = cute::SM90::GMMA;
 using ScoreMma = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
 using LowerOutputMma = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;  // P from registers
 using UpperOutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;  // P from shared memory
-
-// d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
-template <typename Mma, int N, size_t... I>
-__device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&d)[N][4], gmma::ScaleOut scale_d,
-                                                std::index_sequence<I...>) {
-  Mma::fma(a, b, d[I / 4][I % 4]..., scale_d);
-}
-
-// scale_d Zero: d = A B (d's old values are not read).
-template <typename Mma, int N>
-__device__ __forceinline__ void wgmma(uint64_t a, uint64_t b, float (&d)[N][4],
-                                      gmma::ScaleOut scale_d = gmma::ScaleOut::One) {
-  wgmma_fragments<Mma>(a, b, d, scale_d, std::make_index_sequence<4 * N>{});
-}
-
-// d += A B for one register-A wgmma `Mma`: a holds the thread's A fragment (4 x bf16x2).
-template <typename Mma, int N, size_t... I>
-__device__ __forceinline__ void wgmma_rs_fragments(const uint32_t (&a)[4], uint64_t b, float (&d)[N][4],
-                                                   std::index_sequence<I...>) {
-  Mma::fma(a[0], a[1], a[2], a[3], b, d[I / 4][I % 4]...);
-}
-
-template <typename Mma, int N>
-__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N][4]) {
-  wgmma_rs_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
-}
-
-template <int N>
-__device__ __forceinline__ void fence_fragments(float (&d)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(d[n][e]);
-}
 
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
