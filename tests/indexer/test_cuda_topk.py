@@ -220,7 +220,7 @@ def test_rows_whose_digit_passes_resolve_the_threshold_have_no_race(rows):
 def test_one_pass_rows_whose_sample_misleads_fall_back(rows):
     """One-pass rows (1024 threads at 2 rows, 512 at 300) whose sampled tiles (every 8th tile from
     the first: 8192 and 4096 columns at those sizes) differ from the rest: sample scores far above
-    the rest's (the floor lands above the threshold bin), far below them (the buffer overflows),
+    the rest's (fewer than topk reach the floor), far below them (the candidate list overflows),
     and a sample holding the row's only finite scores; then the same with random ranges."""
     g = generator(rows, 11)
     length = 131072 if rows == 2 else 65536

@@ -12,12 +12,7 @@
 //     next digit (11, then 10 bits) of the scores in it (never on spread-out scores);
 //  3. one more pass over the row appends the columns above the threshold prefix to the selected
 //     list and those level with it to the candidate list, in any order (one shared-memory atomic
-//     per warp and list, no block barrier, so the loads of successive tiles overlap). A row of 16
-//     tiles or more reads most of itself once: step 1 first histograms a sample (every 8th tile),
-//     whose bins set a floor about 5/4 * topk scores down the row, then the other tiles, keeping
-//     the scores at or above the floor with their columns in a shared-memory buffer; when the
-//     threshold bin is at or above the floor and the buffer held them all, step 3 splits the
-//     buffer and re-reads only the sample (else, or on a crowded bin, it reads the row as above);
+//     per warp and list, no block barrier, so the loads of successive tiles overlap);
 //  4. the candidates' remaining digits are resolved in shared memory down to the exact threshold
 //     key; of the candidates level with it, the lowest columns are kept (a radix select on the
 //     columns when there are more than needed);
@@ -27,6 +22,12 @@
 //     run of equal keys is put in column order in shared memory (an entry's place: the run's
 //     start plus the run's entries of lower column); a row with a run longer than TIE_RUN_MAX
 //     sorts (key, inverted column) packed in 64 bits instead.
+// A row of 16 tiles or more first tries one pass instead of 1-3: a sample (every 8th tile) is
+// histogrammed to two digits (21 key bits), which set a floor about 5/4 * topk scores down the row
+// (a coarse first digit alone would often leave more than CAND_CAP scores in the threshold bin);
+// one pass appends the columns at or above the floor to the candidate list, and when it holds at
+// least topk and at most CAND_CAP of them, step 4 picks the exact top-k among them. Otherwise
+// (an unrepresentative sample) the row takes steps 1-4.
 // Only a row whose exact threshold key is held by more than CAND_CAP scores (a crowded tie) takes
 // an ordered pass instead of 3-4: a block scan per tile keeps column order, so the first columns
 // of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
@@ -41,6 +42,7 @@
 // order, which it returns for unsorted calls too.
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <cuda_runtime.h>
 #include <cub/block/block_radix_sort.cuh>
@@ -57,7 +59,6 @@ constexpr int CAND_CAP = 4096;           // threshold-bin scores resolved in sha
 constexpr int BINS = 2048;               // 11-bit digits
 constexpr int LEVELS = 3;
 constexpr int SAMPLE_STRIDE = 8;         // one-pass rows: every 8th tile samples the scores for the floor
-constexpr int BUF_CAP = 4096;            // one-pass rows: scores at or above the floor kept in shared memory
 // Sorted output: each entry of a run of equal keys counts the run's entries of lower column, so
 // 2048 entries in runs of 64 read 128K columns (4K warp-wide loads, about one radix pass); a row
 // with a longer run sorts again by (key, column) packed in 64 bits (13 passes at 128K columns).
@@ -66,18 +67,21 @@ constexpr int TIE_RUN_MAX = 64;
 __host__ __device__ constexpr int shift_of(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
 __host__ __device__ constexpr int bits_of(int level) { return level == 2 ? 10 : 11; }
 
-// Which tiles of a row a pass reads: all, the sample (tiles 0, SAMPLE_STRIDE, 2 * SAMPLE_STRIDE, ...
-// from the row's first tile) or the rest.
-enum class Tiles { kAll, kSample, kRest };
+// Which tiles of a row a pass reads: all, or the sample (tiles 0, SAMPLE_STRIDE, 2 * SAMPLE_STRIDE,
+// ... from the row's first tile).
+enum class Tiles { kAll, kSample };
 
-__device__ __forceinline__ bool reads(Tiles tiles, int t) {
-  return tiles == Tiles::kAll || ((t % SAMPLE_STRIDE == 0) == (tiles == Tiles::kSample));
-}
+__device__ __forceinline__ bool reads(Tiles tiles, int t) { return tiles == Tiles::kAll || t % SAMPLE_STRIDE == 0; }
 
 // fp32 -> uint32 whose unsigned order is the float order; -0.0 maps with +0.0 (a tie).
 __device__ __forceinline__ uint32_t order_key(float x) {
   uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The float whose key is `key` (order_key's inverse; key 0x80000000 is +0.0).
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 __device__ __forceinline__ bool is_finite(float x) {
@@ -112,11 +116,9 @@ struct TopK {
     };
     uint32_t sel_key[MAX_TOPK];  // after the relative-key sort: its keys and columns, by rank
     int sel_pos[MAX_TOPK];
-    uint32_t buf_key[BUF_CAP];  // one-pass rows: the unsampled tiles' scores at or above the floor
-    int buf_pos[BUF_CAP];
     ulonglong2 warp_sums[WARPS];
     int digit, above, level_count, need;  // the last pick_digit
-    int num_sel, num_cand, num_ties, num_buf;  // list lengths appended to by atomics
+    int num_sel, num_cand, num_ties;  // list lengths appended to by atomics
     uint32_t key_min, key_max;  // the selection's lowest and highest keys
   };
 
@@ -134,14 +136,19 @@ struct TopK {
     }
     if (lane == 31) s.warp_sums[warp] = inc;
     __syncthreads();
-    ulonglong2 before = make_ulonglong2(0, 0);
-    total = make_ulonglong2(0, 0);
+    // every warp scans the warp sums in its lanes (lane w holds warp w's), so warp `warp` finds
+    // the sum of the warps before it in lane warp - 1 and the total in the last lane
+    ulonglong2 sums = lane < WARPS ? s.warp_sums[lane] : make_ulonglong2(0, 0);
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const ulonglong2 t = s.warp_sums[w];
-      if (w < warp) { before.x += t.x; before.y += t.y; }
-      total.x += t.x; total.y += t.y;
+    for (int d = 1; d < 32; d <<= 1) {
+      unsigned long long x = __shfl_up_sync(0xffffffffu, sums.x, d);
+      unsigned long long y = __shfl_up_sync(0xffffffffu, sums.y, d);
+      if (lane >= d) { sums.x += x; sums.y += y; }
     }
+    const int prior = max(warp - 1, 0);
+    ulonglong2 before = make_ulonglong2(__shfl_sync(0xffffffffu, sums.x, prior), __shfl_sync(0xffffffffu, sums.y, prior));
+    if (warp == 0) before = make_ulonglong2(0, 0);
+    total = make_ulonglong2(__shfl_sync(0xffffffffu, sums.x, 31), __shfl_sync(0xffffffffu, sums.y, 31));
     __syncthreads();  // warp_sums is reused by the next call
     return make_ulonglong2(before.x + inc.x - v.x, before.y + inc.y - v.y);
   }
@@ -189,24 +196,33 @@ struct TopK {
       return base + (j * THREADS + threadIdx.x) * VEC + i;
     }
 
-    __device__ __forceinline__ void load(const float* row, int base, int lo, int hi, int width) {
+    // The tile's scores, NaN outside [lo, hi) (not usable, and not at or above any score).
+    __device__ __forceinline__ static void load_values(const float* row, int base, int lo, int hi, int width,
+                                                       float (&v)[LOADS][VEC]) {
       const bool inside = base >= lo && base + SIZE <= hi;  // the whole tile in range: no column checks
 #pragma unroll
       for (int j = 0; j < LOADS; ++j) {
         const int p = pos(base, j, 0);
-        float v[VEC];
         if (inside || (p >= 0 && p + VEC <= width && p < hi)) {
           const float4 q = *reinterpret_cast<const float4*>(row + p);
-          v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+          v[j][0] = q.x; v[j][1] = q.y; v[j][2] = q.z; v[j][3] = q.w;
+          if (!inside)
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) v[j][i] = p + i >= lo && p + i < hi ? v[j][i] : __int_as_float(0x7fffffff);
         } else {
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) v[i] = (p + i < hi && p + i >= lo) ? row[p + i] : __int_as_float(0x7f800000);
-        }
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          key[j][i] = (inside || (p + i >= lo && p + i < hi)) && is_finite(v[i]) ? order_key(v[i]) : 0u;
+          for (int i = 0; i < VEC; ++i) v[j][i] = (p + i < hi && p + i >= lo) ? row[p + i] : __int_as_float(0x7fffffff);
         }
       }
+    }
+
+    __device__ __forceinline__ void load(const float* row, int base, int lo, int hi, int width) {
+      float v[LOADS][VEC];
+      load_values(row, base, lo, hi, width, v);
+#pragma unroll
+      for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) key[j][i] = is_finite(v[j][i]) ? order_key(v[j][i]) : 0u;
     }
 
     // The first tile's column: at or below lo, where the row's address is 16-byte aligned (fp32
@@ -217,15 +233,11 @@ struct TopK {
     }
   };
 
-  // Histogram of digit `level` of the usable keys whose bits above it equal `prefix`, over `tiles`
-  // (kRest adds to the sample's histogram). A nonzero `floor` (one-pass rows) also appends the keys
-  // at or above it, with their columns, to the buffer (s.num_buf may pass BUF_CAP: overflowed).
+  // Histogram of digit `level` of the usable keys whose bits above it equal `prefix`, over `tiles`.
   static __device__ void histogram_row(const float* row, int lo, int hi, int width, int level, uint32_t prefix,
-                                       Shared& s, Tiles tiles = Tiles::kAll, uint32_t floor = 0) {
-    if (tiles != Tiles::kRest) {
-      for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
-      __syncthreads();
-    }
+                                       Shared& s, Tiles tiles = Tiles::kAll) {
+    for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
+    __syncthreads();
     const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
     const int above_shift = level == 0 ? 32 : shift_of(level - 1);
     Tile tile;
@@ -241,49 +253,41 @@ struct TopK {
           const bool match = above_shift == 32 || (k >> above_shift) == prefix;
           if (k != 0 && match) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
         }
-      if (floor != 0) buffer_tile(tile, base, floor, s);
     }
     __syncthreads();
   }
 
-  // Appends the tile's keys at or above `floor` (nonzero: no unusable key) and their columns to the
-  // buffer, as far as it has room. Every lane of the warp calls it.
-  static __device__ __forceinline__ void buffer_tile(const Tile& tile, int base, uint32_t floor, Shared& s) {
-    int n = 0;
+  // Appends the row's keys at or above `floor` (nonzero: no unusable key) and their columns to the
+  // candidate list, in any order, as far as it has room (s.num_cand counts them all: past
+  // CAND_CAP, overflowed). One shared-memory atomic per warp and tile holding any.
+  // Scores are compared as floats (two instructions a score: most of a long row is below the
+  // floor); only those kept are turned into keys.
+  static __device__ void collect_from_floor(const float* row, int lo, int hi, int width, uint32_t floor, Shared& s) {
+    const float least = key_value(max(floor, order_key(-FLT_MAX)));  // finite: a usable score's key is above
+#pragma unroll 2
+    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
+      float v[LOADS][VEC];
+      Tile::load_values(row, base, lo, hi, width, v);
+      int n = 0;
 #pragma unroll
-    for (int j = 0; j < LOADS; ++j)
+      for (int j = 0; j < LOADS; ++j)
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) n += tile.key[j][i] >= floor;
-    if (!__any_sync(0xffffffffu, n)) return;
-    int at = reserve(n, &s.num_buf);
+        for (int i = 0; i < VEC; ++i) n += v[j][i] >= least && v[j][i] <= FLT_MAX;  // NaN: neither
+      if (!__any_sync(0xffffffffu, n)) continue;  // most tiles of a long row
+      int at = reserve(n, &s.num_cand);
 #pragma unroll
-    for (int j = 0; j < LOADS; ++j)
+      for (int j = 0; j < LOADS; ++j)
 #pragma unroll
-      for (int i = 0; i < VEC; ++i)
-        if (tile.key[j][i] >= floor) {
-          if (at < BUF_CAP) {
-            s.buf_key[at] = tile.key[j][i];
-            s.buf_pos[at] = Tile::pos(base, j, i);
+        for (int i = 0; i < VEC; ++i)
+          if (v[j][i] >= least && v[j][i] <= FLT_MAX) {
+            if (at < CAND_CAP) {
+              s.select.cand_key[at] = order_key(v[j][i]);
+              s.select.cand_pos[at] = Tile::pos(base, j, i);
+            }
+            ++at;
           }
-          ++at;
-        }
-  }
-
-  // Moves the buffered keys whose level-0 digit is above `digit` to the selected list and those
-  // equal to it to the candidate list (after clear_lists).
-  static __device__ void split_buffer(int num_buf, uint32_t digit, Shared& s) {
-    for (int c = threadIdx.x; c < num_buf; c += THREADS) {
-      const uint32_t k = s.buf_key[c], d = k >> shift_of(0);
-      if (d > digit) {
-        const int a = atomicAdd(&s.num_sel, 1);
-        s.sel_key[a] = k;
-        s.sel_pos[a] = s.buf_pos[c];
-      } else if (d == digit) {
-        const int e = atomicAdd(&s.num_cand, 1);
-        s.select.cand_key[e] = k;
-        s.select.cand_pos[e] = s.buf_pos[c];
-      }
     }
+    __syncthreads();
   }
 
   static __device__ void clear_lists(Shared& s) {
@@ -306,15 +310,14 @@ struct TopK {
     return __shfl_sync(0xffffffffu, base, 31) + inclusive - count;
   }
 
-  // Unordered pass over `tiles`: columns whose key >> shift is above `prefix` are appended to the
+  // Unordered pass over the row: columns whose key >> shift is above `prefix` are appended to the
   // selected list, those equal to it to the candidate list (s.num_sel, s.num_cand long after the
   // call; clear_lists before the first appends).
   static __device__ void gather_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix,
-                                    Shared& s, Tiles tiles = Tiles::kAll) {
+                                    Shared& s) {
     Tile tile;
 #pragma unroll 2
-    for (int t = 0, base = Tile::first_tile(row, lo); base < hi; ++t, base += Tile::SIZE) {
-      if (!reads(tiles, t)) continue;
+    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
       tile.load(row, base, lo, hi, width);
       int above = 0, equal = 0;
 #pragma unroll
@@ -582,6 +585,27 @@ struct TopK {
     }
   }
 
+  // A long row in one pass (see the top): the sample's two digits set the floor, the pass collects
+  // the candidates at or above it, the exact top-k is picked among them and written. False, with
+  // nothing written, when fewer than topk or more than CAND_CAP keys reach the floor.
+  static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
+                                           int* out, Shared& s) {
+    histogram_row(row, lo, hi, width, 0, 0, s, Tiles::kSample);
+    pick_digit(BINS, (topk * 5 / 4 + SAMPLE_STRIDE - 1) / SAMPLE_STRIDE, s);
+    const int high = s.digit, left = s.need - s.above;
+    if (high < 0) return false;  // an empty sample
+    __syncthreads();  // every thread has read s.digit, s.need and s.above before pick_digit writes them
+    histogram_row(row, lo, hi, width, 1, static_cast<uint32_t>(high), s, Tiles::kSample);
+    pick_digit(1 << bits_of(1), left, s);
+    const uint32_t floor = ((static_cast<uint32_t>(high) << bits_of(1)) | static_cast<uint32_t>(s.digit)) << shift_of(1);
+    clear_lists(s);
+    collect_from_floor(row, lo, hi, width, max(floor, 1u), s);
+    const int num_cand = s.num_cand;
+    if (num_cand < topk || num_cand > CAND_CAP) return false;
+    write_selection(0, keep_candidates(num_cand, 0, 0, topk, s), topk, width, sorted, out, s);
+    return true;
+  }
+
   static __device__ void run(const float* __restrict__ logits, int64_t stride, int width,
                              const int* __restrict__ starts, const int* __restrict__ ends, int topk, bool sorted,
                              int* __restrict__ out, int64_t out_stride) {
@@ -593,21 +617,9 @@ struct TopK {
     const int hi = min(max(end, 0), width), lo = min(max(start, 0), hi);  // no ranges: whole rows; never outside
     out += row * out_stride;
 
-    // One-pass rows: the sampled tiles' histogram sets a floor at about 5/4 of topk scores over the
-    // row; the other tiles' pass also keeps the scores at or above it, so when the threshold bin
-    // is at or above the floor and all of them fit, only the sample is read again.
-    const bool one_pass = hi - Tile::first_tile(row_ptr, lo) > (2 * SAMPLE_STRIDE - 1) * Tile::SIZE;
-    uint32_t floor = 0;
-    if (one_pass) {
-      histogram_row(row_ptr, lo, hi, width, 0, 0, s, Tiles::kSample);
-      pick_digit(BINS, (topk * 5 / 4 + SAMPLE_STRIDE - 1) / SAMPLE_STRIDE, s);
-      floor = max(static_cast<uint32_t>(max(s.digit, 0)) << shift_of(0), 1u);
-      if (threadIdx.x == 0) s.num_buf = 0;
-      __syncthreads();  // s.digit is read before the next pick_digit writes it
-      histogram_row(row_ptr, lo, hi, width, 0, 0, s, Tiles::kRest, floor);
-    } else {
-      histogram_row(row_ptr, lo, hi, width, 0, 0, s);
-    }
+    const bool long_row = hi - Tile::first_tile(row_ptr, lo) > (2 * SAMPLE_STRIDE - 1) * Tile::SIZE;
+    if (long_row && select_from_floor(row_ptr, lo, hi, width, topk, sorted, out, s)) return;
+    histogram_row(row_ptr, lo, hi, width, 0, 0, s);
     pick_digit(BINS, topk, s);
     const int need = s.need;
     if (need == 0) {
@@ -616,7 +628,6 @@ struct TopK {
     }
     uint32_t prefix = static_cast<uint32_t>(s.digit);
     int left = need - s.above, count = s.level_count, level = 0;
-    const bool buffered = one_pass && count <= CAND_CAP && s.num_buf <= BUF_CAP && (prefix << shift_of(0)) >= floor;
     while (count > CAND_CAP && level + 1 < LEVELS) {  // a crowded threshold bin: one more digit from the row
       ++level;
       histogram_row(row_ptr, lo, hi, width, level, prefix, s);
@@ -628,8 +639,7 @@ struct TopK {
     int num_sel, num_cand;
     if (count <= CAND_CAP) {
       clear_lists(s);
-      if (buffered) split_buffer(s.num_buf, prefix, s);
-      gather_row(row_ptr, lo, hi, width, shift_of(level), prefix, s, buffered ? Tiles::kSample : Tiles::kAll);
+      gather_row(row_ptr, lo, hi, width, shift_of(level), prefix, s);
       num_sel = s.num_sel;
       num_cand = keep_candidates(s.num_cand, level + 1, prefix, left, s);
     } else {  // more than CAND_CAP scores equal to the threshold: the first `left` of them by column
