@@ -264,7 +264,7 @@ struct TopK {
   // floor); only those kept are turned into keys.
   static __device__ void collect_from_floor(const float* row, int lo, int hi, int width, uint32_t floor, Shared& s) {
     const float least = key_value(max(floor, order_key(-FLT_MAX)));  // finite: a usable score's key is above
-#pragma unroll 4  // four tiles' loads in flight
+#pragma unroll 2
     for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
       float v[LOADS][VEC];
       Tile::load_values(row, base, lo, hi, width, v);
