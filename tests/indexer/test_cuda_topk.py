@@ -112,9 +112,11 @@ def test_short_rows_rank_kernel_matches_reference(rows, length, topk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("offset, width", [(1, 20000), (0, 20003), (3, 20005), (2, 6), (1, 1024), (0, 1024)])
+@pytest.mark.parametrize("offset, width", [(1, 20000), (0, 20003), (3, 20005), (2, 6), (1, 1024), (0, 1024),
+                                           (1, 131072), (3, 140001)])
 def test_rows_off_16_byte_boundaries_match(offset, width):
-    """Contiguous rows whose addresses are not 16-byte aligned: a storage offset, odd row lengths."""
+    """Contiguous rows whose addresses are not 16-byte aligned: a storage offset, odd row lengths
+    (the last two long enough for the one-pass path)."""
     g = generator(offset, width)
     logits = torch.randn(offset + 9 * width, generator=g).to(cuda)[offset:].view(9, width)
     check(logits, 2048)
@@ -233,6 +235,32 @@ def test_one_pass_rows_whose_sample_misleads_fall_back(rows):
     logits = logits.to(cuda)
     check(logits, 2048)
     check(logits, 300, *random_ranges(rows, length, g))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_sm", [0, 2])
+def test_one_pass_rows_at_the_candidate_limits(rows_per_sm):
+    """Long rows of -1.0 holding C copies of one score x, 400 of them in the sampled tiles (so the
+    floor lands on x): C = topk - 1 (too few reach the floor: the digit passes), topk, 4096 (every
+    candidate slot used) and 4097 (overflow: the digit passes); x = +0.0 and -0.0 mixed (a floor of
+    exactly +0.0) and a negative subnormal. The lowest columns of the tie win."""
+    length, tile = (131072, 8192) if rows_per_sm == 0 else (65536, 4096)
+    sampled = torch.nonzero((torch.arange(length) // tile) % 8 == 0).flatten()
+    rest = torch.nonzero((torch.arange(length) // tile) % 8 != 0).flatten()
+    g = generator(rows_per_sm, 13)
+    rows = []
+    for count in (2047, 2048, 4096, 4097):
+        for x in ("zero", -1e-40):
+            row = torch.full((length,), -1.0)
+            at = torch.cat([sampled[torch.randperm(len(sampled), generator=g)[:400]],
+                            rest[torch.randperm(len(rest), generator=g)[:count - 400]]])
+            if x == "zero":
+                row[at] = torch.where(torch.rand(count, generator=g) < 0.5, 0.0, -0.0)
+            else:
+                row[at] = x
+            rows.append(row)
+    logits = repeat_per_sm(torch.stack(rows), rows_per_sm)
+    check(logits, 2048)
 
 
 @pytest.mark.gpu

@@ -55,10 +55,12 @@ def ragged_inputs(num_q, num_heads, num_keys, device, g):
 
 
 def assert_logits_close(got, ref, bound):
-    """Same -inf pattern; finite scores within LOGITS_RTOL of their magnitude bound."""
+    """Same -inf pattern and values (a NaN-poisoned output left unwritten fails); finite scores
+    within LOGITS_RTOL of their magnitude bound."""
     assert got.shape == ref.shape and got.dtype == torch.float32
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite), f"seed {SEED}: -inf pattern differs"
+    assert torch.equal(got[~finite], ref[~finite]), f"seed {SEED}: a masked score is not -inf (never written?)"
     err = (got - ref).abs()[finite]
     ratio = (err / (bound[finite] + 1e-30)).max().item() if err.numel() else 0.0
     assert ratio <= LOGITS_RTOL, f"seed {SEED}: logits off by {ratio:.3g} of their magnitude bound"

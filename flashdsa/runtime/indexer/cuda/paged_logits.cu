@@ -6,7 +6,9 @@
 // n + j of request b's cache (found through its block table), -inf for the others below
 // max_context_len. A 64-token cache block holds 64 e4m3 keys of 128 bytes, then their 64 fp32
 // scales (8448 bytes, flashdsa.runtime.cache.layout). A block id outside [0, num_blocks) is never
-// read: its keys score 0.
+// read: its keys score 0. The block table must map every block of a context (the op's checks);
+// entries past it are never read. NaN e4m3 codes score as 0 (relu is fmaxf, as Triton's maximum).
+// q and the cache must be 16-byte aligned (cp.async).
 //
 // One CTA (one warpgroup) takes one request and a run of its cache blocks. Each block's keys and
 // scales are copied into a ring of STAGES shared-memory stages with cp.async (16 bytes a copy, the
@@ -114,7 +116,7 @@ __global__ void __launch_bounds__(THREADS) paged_logits_kernel(const __grid_cons
   constexpr int HP = N / NQ;
   constexpr int FRAGS = N / 8;
   static_assert(HP % 8 == 0, "a fragment's 8 columns belong to one query");
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];  // the swizzle is on absolute addresses
   Shared<N>& s = *reinterpret_cast<Shared<N>*>(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.y;
@@ -206,6 +208,14 @@ cudaError_t launch(const PagedLogitsArgs& a, int device, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The instance for N columns and nq (1, 2 or 4) queries a request.
+template <int N>
+cudaError_t launch_columns(const PagedLogitsArgs& a, int nq, int device, cudaStream_t stream) {
+  return nq == 1   ? launch<N, 1>(a, device, stream)
+         : nq == 2 ? launch<N, 2>(a, device, stream)
+                   : launch<N, 4>(a, device, stream);
+}
+
 }  // namespace
 
 int paged_logits_max_blocks_per_cta() { return MAX_BLOCKS_PER_CTA; }
@@ -231,9 +241,9 @@ const char* launch_paged_logits(const PagedLogitsArgs& a, int device, void* stre
   const auto s = static_cast<cudaStream_t>(stream);
   int nq = 1;
   while (nq < a.n) nq *= 2;
-  if (cols == 64) err = nq == 1 ? launch<64, 1>(a, device, s) : nq == 2 ? launch<64, 2>(a, device, s) : launch<64, 4>(a, device, s);
-  else if (cols == 128) err = nq == 1 ? launch<128, 1>(a, device, s) : nq == 2 ? launch<128, 2>(a, device, s) : launch<128, 4>(a, device, s);
-  else err = nq == 1 ? launch<256, 1>(a, device, s) : nq == 2 ? launch<256, 2>(a, device, s) : launch<256, 4>(a, device, s);
+  err = cols == 64    ? launch_columns<64>(a, nq, device, s)
+        : cols == 128 ? launch_columns<128>(a, nq, device, s)
+                      : launch_columns<256>(a, nq, device, s);
   if (previous != device) cudaSetDevice(previous);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }

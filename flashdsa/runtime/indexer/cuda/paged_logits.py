@@ -37,6 +37,8 @@ def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: to
     per_cta = blocks_per_cta or _blocks_per_cta(batch, -(-max_context_len // BLOCK_SIZE), q_fp8.device)
     table = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     stream = torch._C._cuda_getCurrentRawStream(q_fp8.get_device())
-    _paged_logits_cuda(q_fp8.contiguous(), weights.contiguous(), k_cache, context_lens.contiguous(), table,
-                       max_context_len, per_cta, out, stream)
+    q = q_fp8.contiguous()
+    q = q if q.data_ptr() % 16 == 0 else q.clone()  # a view at an odd offset: the kernel copies 16 bytes at a time
+    _paged_logits_cuda(q, weights.contiguous(), k_cache, context_lens.contiguous(), table, max_context_len, per_cta,
+                       out, stream)
     return out

@@ -1,6 +1,8 @@
 // torch.ops.flashdsa.indexer_logits_paged_cuda: checks the tensors, then launches paged_logits.cu's
 // kernel. CUDA-free on purpose (the stream comes from Python), so it compiles against any torch build.
 
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -46,6 +48,9 @@ void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const 
   TORCH_CHECK(blocks_per_cta >= 1 && blocks_per_cta <= paged_logits_max_blocks_per_cta(), "blocks_per_cta must be ",
               "in [1, ", paged_logits_max_blocks_per_cta(), "], got ", blocks_per_cta);
   TORCH_CHECK(batch <= 65535, "batch must be at most 65535, got ", batch);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0,
+              "q and cache must start at 16-byte aligned addresses (the kernel copies 16 bytes at a time)");
   PagedLogitsArgs args{static_cast<const uint8_t*>(q.data_ptr()), weights.data_ptr<float>(),
                        cache.data_ptr<uint8_t>(), context_lens.data_ptr<int>(), block_tables.data_ptr<int>(),
                        out.data_ptr<float>(), block_tables.stride(0), max_context_len, cache.size(0),

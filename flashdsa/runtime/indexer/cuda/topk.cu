@@ -257,7 +257,7 @@ struct TopK {
     __syncthreads();
   }
 
-  // Appends the row's keys at or above `floor` (nonzero: no unusable key) and their columns to the
+  // Appends the row's usable keys at or above `floor` and their columns to the
   // candidate list, in any order, as far as it has room (s.num_cand counts them all: past
   // CAND_CAP, overflowed). One shared-memory atomic per warp and tile holding any.
   // Scores are compared as floats (two instructions a score: most of a long row is below the
@@ -599,7 +599,7 @@ struct TopK {
     pick_digit(1 << bits_of(1), left, s);
     const uint32_t floor = ((static_cast<uint32_t>(high) << bits_of(1)) | static_cast<uint32_t>(s.digit)) << shift_of(1);
     clear_lists(s);
-    collect_from_floor(row, lo, hi, width, max(floor, 1u), s);
+    collect_from_floor(row, lo, hi, width, floor, s);
     const int num_cand = s.num_cand;
     if (num_cand < topk || num_cand > CAND_CAP) return false;
     write_selection(0, keep_candidates(num_cand, 0, 0, topk, s), topk, width, sorted, out, s);
