@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the native (CUDA C++) kernels: build them (timed: the first use's JIT cost; the
 # ptxas report gives registers, spills and shared memory per kernel), their GPU tests against the
-# reference, compute-sanitizer memcheck passes over edge cases (top-k, sparse decode), synccheck on
+# reference, compute-sanitizer memcheck passes over edge cases (top-k, paged indexer logits, sparse decode), synccheck on
 # the decode (its warp roles meet at named barriers) and racecheck on the top-k, then the sparse
 # decode and prefill benchmarks (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
 # builds in the background meanwhile (from .device/flashmla: run ../shared/device/prepare first and
@@ -24,12 +24,13 @@ fi
 status=0
 { time python3 -m flashdsa.cli build-kernels --compile-only && time python3 -m flashdsa.cli build-kernels; } \
   2>&1 | tee "$out/build.log" || status=1
-python3 -m pytest -q -rfEs tests/native tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py \
+python3 -m pytest -q -rfEs tests/native tests/indexer/test_cuda_topk.py tests/indexer/test_cuda_paged_logits.py \
+  tests/kernels/test_cuda_sparse_decode.py \
   tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py 2>&1 | tee "$out/tests.log" || status=1
 python3 -m pytest -q -rfEs tests/kernels/test_triton_attention.py -k cuda 2>&1 | tee -a "$out/tests.log" || status=1  # the native forward
 if command -v compute-sanitizer >/dev/null; then
-  for t in tests/indexer/test_cuda_topk.py tests/kernels/test_cuda_sparse_decode.py tests/moe/test_cuda_fp4_moe.py \
-           tests/gemm/test_cuda_gemv.py tests/kernels/test_triton_attention.py; do
+  for t in tests/indexer/test_cuda_topk.py tests/indexer/test_cuda_paged_logits.py tests/kernels/test_cuda_sparse_decode.py \
+           tests/moe/test_cuda_fp4_moe.py tests/gemm/test_cuda_gemv.py tests/kernels/test_triton_attention.py; do
     echo "== $t" >> "$out/memcheck.log"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
