@@ -17,6 +17,10 @@ namespace gmma = cute::SM90::GMMA;
 // could move the stores past it.)
 __device__ __forceinline__ void fence_to_wgmma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Byte offset of 16-byte chunk `chunk` (< 8) of 128-byte row `row` in the 128-byte-swizzle layout
+// (rows of a 1024-byte-aligned block, their chunks XOR-swizzled by row & 7).
+__device__ __forceinline__ int swizzle_128b(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
 // wgmma shared-memory descriptor, 128-byte swizzle: start address, leading and stride byte
 // offsets (K-major operands: stride = 1024 between 8-row groups, leading unused; MN-major: leading
 // = the stride between 64-column blocks, stride = 1024 between 8-row groups along K).
@@ -50,6 +54,12 @@ __device__ __forceinline__ void wgmma_rs_fragments(const uint32_t (&a)[4], uint6
 template <typename Mma, int N>
 __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[N][4]) {
   wgmma_rs_fragments<Mma>(a, b, d, std::make_index_sequence<4 * N>{});
+}
+
+// The sum over the four lanes that hold one accumulator row (a quad: lanes 4r..4r+3).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 template <int N>

@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include "async_copy.cuh"
 #include "paged_logits.h"
 #include "shared_memory_opt_in.cuh"
 #include "wgmma.cuh"
@@ -52,30 +53,6 @@ struct Shared {
   int ids[MAX_BLOCKS_PER_CTA];
 };
 
-// 16 bytes from global `src` to shared `dst` without registers (cp.async); with valid false
-// nothing is read and dst gets zeros.
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
-}
-
-// Byte offset of 16-byte chunk `chunk` of 128-byte row `row` in the 128-byte-swizzle layout.
-__device__ __forceinline__ int swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 template <int N>
 struct Mma;
 template <>
@@ -95,7 +72,7 @@ __device__ __forceinline__ void copy_block(const PagedLogitsArgs& a, Shared<N>& 
 #pragma unroll
   for (int k = 0; k < KEY_COPIES; ++k) {
     const int chunk = threadIdx.x + THREADS * k;  // row chunk / 8, 16-byte chunk chunk % 8
-    copy_async_16(keys + swizzled(chunk >> 3, chunk & 7), block + chunk * 16, ok);
+    copy_async_16(keys + swizzle_128b(chunk >> 3, chunk & 7), block + chunk * 16, ok);
   }
   if (threadIdx.x < SCALE_COPIES)
     copy_async_16(&s.scales[i % STAGES][threadIdx.x * 4], block + KEY_BYTES + threadIdx.x * 16, ok);
@@ -131,7 +108,7 @@ __global__ void __launch_bounds__(THREADS) paged_logits_kernel(const __grid_cons
     const int row = chunk >> 3, j = row / HP, h = row % HP;
     const bool ok = j < a.n && h < a.heads;
     const uint8_t* src = a.q + ((static_cast<int64_t>(b) * a.n + (ok ? j : 0)) * a.heads + (ok ? h : 0)) * DIM;
-    copy_async_16(s.q + swizzled(row, chunk & 7), src + (chunk & 7) * 16, ok);
+    copy_async_16(s.q + swizzle_128b(row, chunk & 7), src + (chunk & 7) * 16, ok);
   }
   float w[FRAGS][2];  // the weights of the thread's accumulator columns
 #pragma unroll

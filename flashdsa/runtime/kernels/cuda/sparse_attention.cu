@@ -47,6 +47,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "shared_memory_opt_in.cuh"
+#include "async_copy.cuh"
 #include "sparse_attention.h"
 #include "wgmma.cuh"
 
@@ -167,19 +168,10 @@ __device__ __forceinline__ void copy_to_peer(const void* local, int rank, uint32
                : "memory");
 }
 
-// 16 bytes from global `src` to shared `dst` without registers (cp.async; commit and wait apart);
-// with valid false nothing is read and dst gets zeros.
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
 // Byte offset of 16-byte chunk `chunk` (8 bf16 columns) of row `row` (of 64) in a buffer of column
 // blocks: block chunk / 8 holds 64 rows of 128 bytes, their chunks XOR-swizzled by (row & 7).
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  return (chunk >> 3) * BLOCK_BYTES + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  return (chunk >> 3) * BLOCK_BYTES + swizzle_128b(row, chunk & 7);
 }
 
 using ScoreMma = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
@@ -215,11 +207,6 @@ __device__ __forceinline__ void dequant_chunk(uint4 raw, float scale, uint4& lo,
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // The CTA's work: query row, head block, split and its [start, end) of the top-k list.
@@ -420,17 +407,17 @@ __device__ void produce_bf16(const SparseAttentionArgs& a, const Work& w, Shared
       const int group = lanes_per_key * k / 8, in_group = (lanes_per_key * k) % 8;
       copy_async_16(dst + group * BLOCK_BYTES + (((in_group + part) ^ (key & 7)) << 4),
                     src + lanes_per_key * k * 16, ids.gather >= 0);
-      if (k == left - 1) asm volatile("cp.async.commit_group;\n" ::: "memory");
+      if (k == left - 1) commit_copies();
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    commit_copies();
     ids.advance(t);
     if constexpr (PAIR > 1) {  // the scores start on the first half while the second's bulk copy is in flight
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      wait_copies<1>();
       hand_over<DQK, PAIR>(s, stage, rank, 0, 0);
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      wait_copies<0>();
       hand_over<DQK, PAIR>(s, stage, rank, 1, 1);
     } else {  // no copy to overlap: one arrival a thread (the split measured slower with 64 heads, one run)
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      wait_copies<0>();
       hand_over<DQK, PAIR>(s, stage, rank, 0, 1);
     }
   }
@@ -685,7 +672,8 @@ __device__ __forceinline__ void load_q(const SparseAttentionArgs& a, const Work&
     const int head = i / (DQK / 8), chunk = i % (DQK / 8);
     copy_async_16(s.q[0] + swizzle(head, chunk), q + static_cast<int64_t>(head) * DQK + chunk * 8, true);
   }
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  commit_copies();
+  wait_copies<0>();
   fence_to_wgmma();
   bar_sync(BAR_CONSUMERS, CONSUMER_THREADS);
 }
