@@ -49,7 +49,7 @@ ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a"]
 NVCC_FLAGS = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", *ARCH_FLAGS]
 NVCC_STD = "-std=c++17"  # the .cu files include no torch header
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
-SHARED_INCLUDE = "cuda_include"  # runtime/<this>/: device helpers every extension's kernels may include
+SHARED_INCLUDE = "cuda_include"  # runtime/<this>/: headers every extension's kernels and ops may include
 
 
 class NativeBuildError(ImportError):
@@ -148,9 +148,10 @@ def cache_root() -> Path:
 
 
 def shared_headers() -> list[Path]:
-    """The headers of ``runtime/cuda_include/``, which every extension's kernels may include."""
+    """The headers of ``runtime/cuda_include/`` (device ``.cuh``, host ``.h``), which every
+    extension's kernels and ops may include."""
     directory = RUNTIME / SHARED_INCLUDE
-    return sorted(directory.glob("*.cuh")) if directory.is_dir() else []
+    return sorted(p for p in directory.iterdir() if p.suffix in (".cuh", ".h")) if directory.is_dir() else []
 
 
 def build_directory(ext: Extension, home: Path) -> Path:
@@ -260,7 +261,7 @@ def compile_check(ext: Extension) -> str:
                        f"{tmp}/{source.stem}.o"]
             report.append(f"== {source.relative_to(RUNTIME.parent)} ==\n" + _run(command, source))
     cxx = shutil.which("c++") or shutil.which("g++")
-    torch_includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    torch_includes = [f"-I{p}" for p in [*cpp_extension.include_paths(), RUNTIME / SHARED_INCLUDE]]
     for source in ext.files(".cpp"):
         if cxx is None:
             report.append(f"== {source.name}: skipped, no host C++ compiler ==")

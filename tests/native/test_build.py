@@ -57,7 +57,10 @@ def test_build_directory_is_keyed_by_the_sources_and_the_shared_headers(fake_op,
     shared = tmp_path / "runtime" / native.SHARED_INCLUDE / "helpers.cuh"  # a header every extension may include
     shared.parent.mkdir()
     shared.write_text("#pragma once\n")
-    assert native.build_directory(ext, tmp_path) != second
+    third = native.build_directory(ext, tmp_path)
+    assert third != second
+    (shared.parent / "checks.h").write_text("#pragma once\n")  # a host header the ops may include
+    assert native.build_directory(ext, tmp_path) != third
 
 
 def test_a_killed_builds_lock_is_removed(tmp_path):

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "paged_logits.h"
+#include "tensor_checks.h"
 
 namespace flashdsa {
 
@@ -27,9 +28,7 @@ void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const 
   TORCH_CHECK(q.is_cuda() && q.element_size() == 1 && q.dim() == 4 && q.size(3) == 128 && q.is_contiguous(),
               "q must be a contiguous CUDA [B, n, H, 128] tensor of e4m3 bytes, got ", q.scalar_type(), " ", q.sizes());
   const int64_t batch = q.size(0), n = q.size(1), heads = q.size(2);
-  check(weights, "weights", at::kFloat, 2, q);
-  TORCH_CHECK(weights.size(0) == batch * n && weights.size(1) == heads, "weights must be [", batch * n, ", ", heads,
-              "], got ", weights.sizes());
+  check_tensor(weights, "weights", at::kFloat, {batch * n, heads}, q);
   check(cache, "cache", at::kByte, 4, q);
   TORCH_CHECK(cache.size(1) == 64 && cache.size(2) == 1 && cache.size(3) == 132,
               "cache must be [num_blocks, 64, 1, 132], got ", cache.sizes());
@@ -39,18 +38,15 @@ void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const 
                   block_tables.dim() == 2 && block_tables.size(0) == batch && block_tables.stride(1) == 1,
               "block_tables must be an int32 [", batch, ", max_blocks] tensor with unit column stride, got ",
               block_tables.scalar_type(), " ", block_tables.sizes());
-  check(out, "out", at::kFloat, 2, q);
-  TORCH_CHECK(out.size(0) == batch * n && out.size(1) == max_context_len, "out must be [", batch * n, ", ",
-              max_context_len, "], got ", out.sizes());
+  check_tensor(out, "out", at::kFloat, {batch * n, max_context_len}, q);
   TORCH_CHECK(n >= 1 && heads >= 1 && paged_logits_columns(static_cast<int>(n), static_cast<int>(heads)) > 0,
               "n queries x ", heads, " heads do not fit one wgmma (n <= 4 with H <= 64, n <= 2 with H <= 128, ",
               "H <= 256)");
   TORCH_CHECK(blocks_per_cta >= 1 && blocks_per_cta <= paged_logits_max_blocks_per_cta(), "blocks_per_cta must be ",
               "in [1, ", paged_logits_max_blocks_per_cta(), "], got ", blocks_per_cta);
   TORCH_CHECK(batch <= 65535, "batch must be at most 65535, got ", batch);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0,
-              "q and cache must start at 16-byte aligned addresses (the kernel copies 16 bytes at a time)");
+  check_aligned(q, "q");
+  check_aligned(cache, "cache");
   PagedLogitsArgs args{static_cast<const uint8_t*>(q.data_ptr()), weights.data_ptr<float>(),
                        cache.data_ptr<uint8_t>(), context_lens.data_ptr<int>(), block_tables.data_ptr<int>(),
                        out.data_ptr<float>(), block_tables.stride(0), max_context_len, cache.size(0),

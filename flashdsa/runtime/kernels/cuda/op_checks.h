@@ -1,5 +1,6 @@
 // Tensor checks shared by the sparse attention ops (sparse_decode_op.cpp, sparse_fwd_op.cpp): each
-// failure is a TORCH_CHECK (a Python RuntimeError) that names the argument.
+// failure is a TORCH_CHECK (a Python RuntimeError) that names the argument. The generic ones are in
+// cuda_include/tensor_checks.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,22 +8,9 @@
 #include <cstdint>
 
 #include "sparse_attention.h"
+#include "tensor_checks.h"
 
 namespace flashdsa {
-
-inline void check_aligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-              " must start on a 16-byte boundary (the kernel reads it with 16-byte loads), got address ",
-              t.data_ptr());
-}
-
-// t is a contiguous `dtype` tensor of `shape` on q's device.
-inline void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
-                         const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device() && t.scalar_type() == dtype && t.sizes() == shape && t.is_contiguous(), name,
-              " must be a contiguous ", dtype, " tensor of shape ", shape, " on ", q.device(), ", got ",
-              t.scalar_type(), " ", t.sizes(), (t.is_contiguous() ? "" : " (not contiguous)"), " on ", t.device());
-}
 
 // q: a contiguous CUDA bf16 tensor of `dims` dims, the last `d_qk` wide, with h_q (dim -2) 64 or 128.
 inline void check_queries(const at::Tensor& q, int64_t dims, bool (*d_qk_ok)(int64_t), const char* shape) {
