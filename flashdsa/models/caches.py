@@ -8,6 +8,7 @@ Two precision modes share one paging scheme (block size 64, slot = block_id * 64
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -134,17 +135,27 @@ class AttentionRun:
         return slice(self.token_first, self.token_end)
 
 
-def attention_runs(meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> list[AttentionRun]:
+def attention_runs(meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> tuple[AttentionRun, ...]:
     """The step's sequences in order, grouped into runs (FlashMLA's prefill reads bf16 keys too;
     a decode batch stays on the decode kernel; a step that mixes decodes with a prompt's chunk, as
     chunked prefill does, runs each part its way). One run for most steps."""
     total = sum(meta.query_lens)
     if total < DEQUANTIZED_MIN_TOKENS:  # every decode step: no per-sequence pass
-        return [AttentionRun(0, len(meta.query_lens), 0, total, False)]
+        return (AttentionRun(0, len(meta.query_lens), 0, total, False),)
+    return _grouped_runs(tuple(meta.query_lens), tuple(meta.context_lens_host), block_size,
+                         DEQUANTIZED_TOKENS_PER_QUERY, DEQUANTIZED_MIN_TOKENS)
+
+
+@functools.lru_cache(maxsize=16)
+def _grouped_runs(query_lens: tuple[int, ...], context_lens: tuple[int, ...], block_size: int, per_query: int,
+                  min_tokens: int) -> tuple[AttentionRun, ...]:
+    """attention_runs of a step of at least ``min_tokens`` tokens, from its host ints and the two
+    thresholds: every layer of a step asks again with the same ones, so the pass over the sequences
+    runs once a step."""
     runs: list[AttentionRun] = []  # consecutive sequences with the same prompt-likeness
     token = 0
-    for b, (n, length) in enumerate(zip(meta.query_lens, meta.context_lens_host)):
-        prompt = length <= DEQUANTIZED_TOKENS_PER_QUERY * n
+    for b, (n, length) in enumerate(zip(query_lens, context_lens)):
+        prompt = length <= per_query * n
         width = -(-length // block_size) if prompt else 0
         if runs and runs[-1].dequantized == prompt:
             runs[-1] = replace(runs[-1], end=b + 1, token_end=token + n, width=max(runs[-1].width, width))
@@ -155,13 +166,13 @@ def attention_runs(meta: BatchMetadata, block_size: int = BLOCK_SIZE) -> list[At
     for run in runs:
         n = run.token_end - run.token_first
         rows = (run.end - run.first) * run.width * block_size
-        if run.dequantized and (n < DEQUANTIZED_MIN_TOKENS or rows > DEQUANTIZED_TOKENS_PER_QUERY * n):
+        if run.dequantized and (n < min_tokens or rows > per_query * n):
             run = replace(run, dequantized=False, width=0)
         if merged and not run.dequantized and not merged[-1].dequantized:
             merged[-1] = replace(merged[-1], end=run.end, token_end=run.token_end)
         else:
             merged.append(run)
-    return merged
+    return tuple(merged)
 
 
 def dequantized_keys(pool: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata, run: AttentionRun,
