@@ -264,6 +264,29 @@ def test_one_pass_rows_at_the_candidate_limits(rows_per_sm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_sm", [0.5, 1])
+def test_long_rows_of_small_batches_split_over_cta_pairs(rows_per_sm):
+    """At most half a row an SM, rows of a long row's width or more take a pair of CTAs each (one
+    half a CTA; 1 row an SM: one CTA a row). Rows whose top scores all sit in one half, straddle the
+    middle, tie across it, or mislead the sample (every tile but the sampled ones -inf), with and
+    without ranges; the widths are odd so the halves meet off a 16-byte boundary."""
+    sms = torch.cuda.get_device_properties(cuda).multi_processor_count
+    rows, width = max(6, int(rows_per_sm * sms)), 200003
+    g = generator(int(rows_per_sm * 10))
+    logits = torch.randn(rows, width, generator=g)
+    logits[0, : width // 2] += 5.0  # the first half holds every top score
+    logits[1, width // 2:] += 5.0  # the second
+    logits[2, width // 2 - 1500: width // 2 + 1500] = 9.0  # 3000 tied across the middle: the lowest columns
+    logits[3] = torch.randint(0, 4, (width,), generator=g).float()  # ties everywhere: the digit passes
+    sample = (torch.arange(width) // 8192) % 8 == 0
+    logits[4, ~sample] = float("-inf")
+    logits[5, : width // 2] = float("nan")
+    logits = logits.to(cuda)
+    check(logits, 2048)
+    check(logits, 777, *random_ranges(rows, width, g))
+
+
+@pytest.mark.gpu
 def test_rows_with_nothing_finite_or_nothing_in_range_are_all_minus_one():
     logits = torch.full((4, 700), float("-inf"), device=cuda)
     logits[1] = float("nan")

@@ -28,6 +28,10 @@
 // one pass appends the columns at or above the floor to the candidate list, and when it holds at
 // least topk and at most CAND_CAP of them, step 4 picks the exact top-k among them. Otherwise
 // (an unrepresentative sample) the row takes steps 1-4.
+// A batch of long rows too small to give every pair of CTAs an SM runs a cluster of two CTAs a row
+// (run_pair): each samples, histograms and collects one half of the row, the pair sums its
+// histograms through distributed shared memory so both pick the same floor, and CTA 0 appends
+// CTA 1's candidates to its own and selects.
 // Only a row whose exact threshold key is held by more than CAND_CAP scores (a crowded tie) takes
 // an ordered pass instead of 3-4: a block scan per tile keeps column order, so the first columns
 // of the tie are taken. Scores stream through 128-bit loads (each row's tiles start at a 16-byte
@@ -45,6 +49,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <cooperative_groups.h>
 #include <cub/block/block_radix_sort.cuh>
 
 #include "shared_memory_opt_in.cuh"
@@ -585,40 +590,71 @@ struct TopK {
     }
   }
 
-  // A long row in one pass (see the top): the sample's two digits set the floor, the pass collects
-  // the candidates at or above it, the exact top-k is picked among them and written. False, with
-  // nothing written, when fewer than topk or more than CAND_CAP keys reach the floor.
-  static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
-                                           int* out, Shared& s) {
+  // The floor of a long row (see the top): two digits of the sample's keys, about 5/4 * topk
+  // scores down the row; 0 for an empty sample. With a `peer` (a CTA pair sharing a row, each
+  // sampling its half), every histogram is summed over the pair before its digit is picked.
+  static __device__ uint32_t sample_floor(const float* row, int lo, int hi, int width, int topk, Shared& s,
+                                          int peer = -1) {
     histogram_row(row, lo, hi, width, 0, 0, s, Tiles::kSample);
+    if (peer >= 0) add_peer_histogram(BINS, peer, s);
     pick_digit(BINS, (topk * 5 / 4 + SAMPLE_STRIDE - 1) / SAMPLE_STRIDE, s);
     const int high = s.digit, left = s.need - s.above;
-    if (high < 0) return false;  // an empty sample
+    if (high < 0) return 0;  // an empty sample
     __syncthreads();  // every thread has read s.digit, s.need and s.above before pick_digit writes them
     histogram_row(row, lo, hi, width, 1, static_cast<uint32_t>(high), s, Tiles::kSample);
+    if (peer >= 0) add_peer_histogram(1 << bits_of(1), peer, s);
     pick_digit(1 << bits_of(1), left, s);
     const uint32_t floor = ((static_cast<uint32_t>(high) << bits_of(1)) | static_cast<uint32_t>(s.digit)) << shift_of(1);
+    return max(floor, 1u);
+  }
+
+  // A pair's histograms: s.select.hist[0, bins) becomes the sum of both CTAs' (cluster barriers
+  // before the peer's is read and before either is overwritten).
+  static __device__ void add_peer_histogram(int bins, int peer, Shared& s) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    const uint32_t* theirs = cluster.map_shared_rank(s.select.hist, peer);
+    constexpr int PER = (BINS + THREADS - 1) / THREADS;
+    uint32_t sum[PER];
+    cluster.sync();  // the peer's histogram is complete
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int b = threadIdx.x + THREADS * i;
+      sum[i] = b < bins ? s.select.hist[b] + theirs[b] : 0;
+    }
+    cluster.sync();  // both have read both before either writes
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int b = threadIdx.x + THREADS * i;
+      if (b < bins) s.select.hist[b] = sum[i];
+    }
+    __syncthreads();
+  }
+
+  // The exact top-k among the candidate list's num_cand entries (all keys at or above the floor),
+  // written to out.
+  static __device__ void select_candidates(int num_cand, int topk, int width, bool sorted, int* out, Shared& s) {
+    write_selection(0, keep_candidates(num_cand, 0, 0, topk, s), topk, width, sorted, out, s);
+  }
+
+  // A long row in one pass (see the top): the sample's floor, the candidates at or above it, the
+  // exact top-k among them. False, with nothing written, when fewer than topk or more than
+  // CAND_CAP keys reach the floor.
+  static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
+                                           int* out, Shared& s) {
+    const uint32_t floor = sample_floor(row, lo, hi, width, topk, s);
+    if (floor == 0) return false;
     clear_lists(s);
     collect_from_floor(row, lo, hi, width, floor, s);
     const int num_cand = s.num_cand;
     if (num_cand < topk || num_cand > CAND_CAP) return false;
-    write_selection(0, keep_candidates(num_cand, 0, 0, topk, s), topk, width, sorted, out, s);
+    select_candidates(num_cand, topk, width, sorted, out, s);
     return true;
   }
 
-  static __device__ void run(const float* __restrict__ logits, int64_t stride, int width,
-                             const int* __restrict__ starts, const int* __restrict__ ends, int topk, bool sorted,
-                             int* __restrict__ out, int64_t out_stride) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    Shared& s = *reinterpret_cast<Shared*>(smem);
-    const int64_t row = blockIdx.x;
-    const float* row_ptr = logits + row * stride;
-    const int end = ends != nullptr ? __ldg(ends + row) : width, start = starts != nullptr ? __ldg(starts + row) : 0;
-    const int hi = min(max(end, 0), width), lo = min(max(start, 0), hi);  // no ranges: whole rows; never outside
-    out += row * out_stride;
-
-    const bool long_row = hi - Tile::first_tile(row_ptr, lo) > (2 * SAMPLE_STRIDE - 1) * Tile::SIZE;
-    if (long_row && select_from_floor(row_ptr, lo, hi, width, topk, sorted, out, s)) return;
+  // Steps 1-5 (see the top) for columns [lo, hi) of `row`.
+  static __device__ void select_by_digits(const float* row_ptr, int lo, int hi, int width, int topk, bool sorted,
+                                          int* out, Shared& s) {
     histogram_row(row_ptr, lo, hi, width, 0, 0, s);
     pick_digit(BINS, topk, s);
     const int need = s.need;
@@ -647,13 +683,107 @@ struct TopK {
     }
     write_selection(num_sel, num_cand, topk, width, sorted, out, s);
   }
-};
 
+  // The row's [lo, hi) (whole rows without ranges; never outside the row), its out row.
+  static __device__ void row_range(const int* starts, const int* ends, int width, int64_t row, int& lo, int& hi) {
+    const int end = ends != nullptr ? __ldg(ends + row) : width, start = starts != nullptr ? __ldg(starts + row) : 0;
+    hi = min(max(end, 0), width);
+    lo = min(max(start, 0), hi);
+  }
+
+  static __device__ bool is_long(const float* row_ptr, int lo, int hi) {
+    return hi - Tile::first_tile(row_ptr, lo) > (2 * SAMPLE_STRIDE - 1) * Tile::SIZE;
+  }
+
+  static __device__ void run(const float* __restrict__ logits, int64_t stride, int width,
+                             const int* __restrict__ starts, const int* __restrict__ ends, int topk, bool sorted,
+                             int* __restrict__ out, int64_t out_stride) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Shared& s = *reinterpret_cast<Shared*>(smem);
+    const int64_t row = blockIdx.x;
+    const float* row_ptr = logits + row * stride;
+    int lo, hi;
+    row_range(starts, ends, width, row, lo, hi);
+    out += row * out_stride;
+    if (is_long(row_ptr, lo, hi) && select_from_floor(row_ptr, lo, hi, width, topk, sorted, out, s)) return;
+    select_by_digits(row_ptr, lo, hi, width, topk, sorted, out, s);
+  }
+
+  // Long rows of a batch too small to fill the SMs: a cluster of two CTAs a row, each sampling,
+  // histogramming and collecting one half of it; the floor comes from the summed histograms, CTA 0
+  // appends CTA 1's candidates to its own (distributed shared memory) and selects. A row that is
+  // not long, or whose candidates miss [topk, CAND_CAP], is done by CTA 0 alone as run() does.
+  static __device__ void run_pair(const float* __restrict__ logits, int64_t stride, int width,
+                                  const int* __restrict__ starts, const int* __restrict__ ends, int topk, bool sorted,
+                                  int* __restrict__ out, int64_t out_stride) {
+    namespace cg = cooperative_groups;
+    extern __shared__ __align__(16) unsigned char smem[];
+    Shared& s = *reinterpret_cast<Shared*>(smem);
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = static_cast<int>(cluster.block_rank()), peer = rank ^ 1;
+    const int64_t row = blockIdx.x / 2;
+    const float* row_ptr = logits + row * stride;
+    int lo, hi;
+    row_range(starts, ends, width, row, lo, hi);
+    out += row * out_stride;
+    const bool long_row = is_long(row_ptr, lo, hi);  // the same in both CTAs, as every branch below
+    if (long_row) {
+      const int mid = lo + (hi - lo) / 2;
+      const int half_lo = rank == 0 ? lo : mid, half_hi = rank == 0 ? mid : hi;
+      const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, topk, s, peer);
+      if (floor != 0) {
+        clear_lists(s);
+        collect_from_floor(row_ptr, half_lo, half_hi, width, floor, s);
+        const int* their_count = cluster.map_shared_rank(&s.num_cand, peer);
+        cluster.sync();  // both candidate lists are complete
+        const int mine = s.num_cand, theirs = *their_count;
+        const int first = rank == 0 ? mine : theirs, total = mine + theirs;
+        const bool fits = total >= topk && total <= CAND_CAP;
+        if (fits && rank == 0) {
+          const uint32_t* keys = cluster.map_shared_rank(s.select.cand_key, peer);
+          const int* cols = cluster.map_shared_rank(s.select.cand_pos, peer);
+          for (int c = threadIdx.x; c < theirs; c += THREADS) {
+            s.select.cand_key[first + c] = keys[c];
+            s.select.cand_pos[first + c] = cols[c];
+          }
+        }
+        cluster.sync();  // CTA 1's lists are read before it exits; CTA 0's copies are visible
+        if (fits) {
+          if (rank == 0) select_candidates(total, topk, width, sorted, out, s);
+          return;
+        }
+      }
+    }
+    if (rank == 0) select_by_digits(row_ptr, lo, hi, width, topk, sorted, out, s);
+  }
+};
 template <int THREADS>
 __global__ void __launch_bounds__(THREADS, 1024 / THREADS)
 topk_kernel(const float* __restrict__ logits, int64_t stride, int width, const int* __restrict__ starts,
             const int* __restrict__ ends, int topk, bool sorted, int* __restrict__ out, int64_t out_stride) {
   TopK<THREADS>::run(logits, stride, width, starts, ends, topk, sorted, out, out_stride);
+}
+
+// One cluster of two 1024-thread CTAs a row (TopK<1024>::run_pair).
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(1024, 1)
+topk_pair_kernel(const float* __restrict__ logits, int64_t stride, int width, const int* __restrict__ starts,
+                 const int* __restrict__ ends, int topk, bool sorted, int* __restrict__ out, int64_t out_stride) {
+  TopK<1024>::run_pair(logits, stride, width, starts, ends, topk, sorted, out, out_stride);
+}
+
+// Rows at least this wide, too few to give every CTA pair an SM of its own, take the pair kernel:
+// the width of a long row in 1024-thread CTAs.
+constexpr int64_t PAIR_MIN_WIDTH = int64_t{2 * SAMPLE_STRIDE - 1} * 1024 * VEC * LOADS + 1;
+
+cudaError_t launch_pairs(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
+                         const int* ends, int64_t topk, bool sorted, int* out, int64_t out_stride, int device,
+                         cudaStream_t stream) {
+  const int bytes = sizeof(typename TopK<1024>::Shared);
+  const cudaError_t err = opt_in_shared_memory<topk_pair_kernel>(bytes, device);
+  if (err != cudaSuccess) return err;
+  topk_pair_kernel<<<static_cast<unsigned>(2 * rows), 1024, bytes, stream>>>(
+      logits, stride, static_cast<int>(width), starts, ends, static_cast<int>(topk), sorted, out, out_stride);
+  return cudaGetLastError();
 }
 
 // Launches TopK<THREADS> over the rows of `device`; returns the CUDA error.
@@ -765,7 +895,9 @@ const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t row
                                                 static_cast<int>(topk), out, out_stride);
       err = cudaGetLastError();
     } else {
-      err = rows < 2 * sms
+      err = 2 * rows <= sms && width >= PAIR_MIN_WIDTH
+                ? launch_pairs(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s)
+            : rows < 2 * sms
                 ? launch<1024>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s)
                 : launch<512>(logits, stride, rows, width, starts, ends, topk, sorted, out, out_stride, device, s);
     }
