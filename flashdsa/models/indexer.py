@@ -31,7 +31,8 @@ PAGED_MAX_QUERIES = 4  # queries per sequence up to which the paged (decode) sco
 
 class TopK(nn.Module):
     """``logits: [T, L]`` -> positions of the k best finite scores ``[T, k]`` int32, -1 padded;
-    ``ends: [T]`` int32, when given, bounds each row's scan (its scores beyond are -inf anyway);
+    ``ends: [T]`` int32, when given, bounds each row's scan (its scores beyond are -inf or not
+    written at all: the paged decode scores leave the positions past a context unwritten);
     ``sorted=False`` leaves them in any order (the attention only gathers them).
 
     A module so that a forward hook sees both the scores and the choice (the layerwise check)."""
@@ -139,7 +140,9 @@ def fp8_select(q: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, keys: KeyRa
     if len(counts) == 1 and max(counts) <= keys.paged_queries:
         q_fp8 = q_fp8.view(len(keys.query_lens), counts.pop(), heads, dim)
         lengths = keys.lengths.clamp_min(q_fp8.shape[1])  # keys past ``ends`` are not selected
-        logits = indexer_logits_paged(q_fp8, w, pool, lengths, keys.block_tables, max(keys.max_length, q_fp8.shape[1]))
+        # rows are max_length wide (a CUDA graph's: max_model_len); the top-k reads each up to its end
+        logits = indexer_logits_paged(q_fp8, w, pool, lengths, keys.block_tables, max(keys.max_length, q_fp8.shape[1]),
+                                      fill_past_context=False)
         return topk(logits, keys.ends, sorted=False)
     out = torch.empty(q.shape[0], topk.k, dtype=torch.int32, device=q.device)
     first = 0

@@ -45,6 +45,15 @@ def test_launch_variants_and_a_wide_minus_inf_tail_match_reference(blocks_per_ct
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks_per_cta", [1, 16])
+def test_positions_past_the_context_may_be_left_unwritten(blocks_per_cta):
+    """fill_past_context=False: the positions inside each context are as with it (the rest is not
+    compared); CTAs past every context, and a context ending inside a CTA's run."""
+    cuda_paged(2, 64, [2, 300, 5000], blocks_per_cta, width_extra=9000, fill_past_context=False,
+               blocks_per_cta=blocks_per_cta)
+
+
+@pytest.mark.gpu
 def test_table_entries_past_the_context_are_never_read():
     """A table exactly as wide as the longest context (the last request's), so reading past that
     context is out of bounds (compute-sanitizer's memcheck case); the shorter contexts' entries
@@ -84,14 +93,14 @@ lens = torch.ones(2, dtype=torch.int32, device="cuda")
 table = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
 out = torch.empty(2, 100, device="cuda")
 CASES = [
-    ("weights must be", (q, w[:1], cache, lens, table, 100, 4, out, 0)),
-    ("cache must be [num_blocks, 64, 1, 132]", (q, w, cache.view(8, 32, 1, 132), lens, table, 100, 4, out, 0)),
-    ("context_lens must have", (q, w, cache, lens[:1], table, 100, 4, out, 0)),
-    ("block_tables must be", (q, w, cache, lens, table.t(), 100, 4, out, 0)),
-    ("out must be", (q, w, cache, lens, table, 99, 4, out, 0)),
-    ("blocks_per_cta must be", (q, w, cache, lens, table, 100, 65, out, 0)),
+    ("weights must be", (q, w[:1], cache, lens, table, 100, True, 4, out, 0)),
+    ("cache must be [num_blocks, 64, 1, 132]", (q, w, cache.view(8, 32, 1, 132), lens, table, 100, True, 4, out, 0)),
+    ("context_lens must have", (q, w, cache, lens[:1], table, 100, True, 4, out, 0)),
+    ("block_tables must be", (q, w, cache, lens, table.t(), 100, True, 4, out, 0)),
+    ("out must be", (q, w, cache, lens, table, 99, True, 4, out, 0)),
+    ("blocks_per_cta must be", (q, w, cache, lens, table, 100, True, 65, out, 0)),
     ("do not fit one wgmma", (torch.zeros(2, 5, 64, 128, dtype=torch.float8_e4m3fn, device="cuda"), w.repeat(5, 1),
-                              cache, lens, table, 100, 4, out.repeat(5, 1), 0)),
+                              cache, lens, table, 100, True, 4, out.repeat(5, 1), 0)),
 ]
 """
 

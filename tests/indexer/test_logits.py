@@ -185,6 +185,7 @@ def paged_ok():
     ("block_tables", torch.tensor([[0, -1], [1, -1]], dtype=torch.int32)),  # request 1 needs 2 blocks
     ("block_tables", torch.tensor([[0, -1], [1, 3]], dtype=torch.int32)),  # block 3 of 3
     ("block_tables", torch.zeros(2, 2, dtype=torch.int64)),
+    ("fill_past_context", 0),
 ])
 def test_indexer_logits_paged_rejects_bad_input_naming_it(name, bad):
     with pytest.raises(ValueError, match=name):

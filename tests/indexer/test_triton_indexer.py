@@ -108,20 +108,25 @@ def paged_inputs(batch, next_n, num_heads, lens, device, g):
 PAGED_MODULES = {"triton": "flashdsa.runtime.indexer.triton.logits", "cuda": "flashdsa.runtime.indexer.cuda.paged_logits"}
 
 
-def check_paged(q, weights, pool, lens, table, width, backend="triton", **knobs):
+def check_paged(q, weights, pool, lens, table, width, backend="triton", fill_past_context=True, **knobs):
     """Public op (or, with launch ``knobs``, the backend itself) vs the reference; the output is
-    poisoned before the kernel writes it."""
+    poisoned before the kernel writes it. Without ``fill_past_context`` only the positions inside
+    each request's context are compared (the rest is unspecified)."""
     with poisoned_empty():
         if knobs:
             module = importlib.import_module(PAGED_MODULES[backend])
-            got = module.indexer_logits_paged(q, weights, pool, lens, table, width, **knobs)
+            got = module.indexer_logits_paged(q, weights, pool, lens, table, width, fill_past_context, **knobs)
         else:
-            got = indexer_logits_paged(q, weights, pool, lens, table, width, backend=backend)
+            got = indexer_logits_paged(q, weights, pool, lens, table, width, fill_past_context=fill_past_context,
+                                       backend=backend)
     ref = reference.indexer_logits_paged(q, weights, pool, lens, table, width)
     abs_pool = pool.clone()
     keys, _ = indexer_block_views(abs_pool)
     keys.copy_(fp8_abs(keys))
     bound = reference.indexer_logits_paged(fp8_abs(q), weights.abs(), abs_pool, lens, table, width)
+    if not fill_past_context:
+        inside = torch.arange(width, device=got.device)[None, :] < lens.repeat_interleave(q.shape[1])[:, None]
+        got, ref, bound = got[inside], ref[inside], bound[inside]
     assert_logits_close(got, ref, bound)
     return got
 
@@ -257,6 +262,14 @@ def test_fused_topk_equals_topk_of_logits(topk, chunk):
 
 
 @pytest.mark.gpu
+def test_paged_logits_past_the_context_may_be_left_unwritten():
+    """fill_past_context=False: programs past every context write nothing; inside the contexts the
+    scores (and the causal -inf of the queries before the last) are as with it."""
+    q, weights, pool, lens, table, width = paged_inputs(3, 2, 64, [2, 300, 1000], cuda, generator(17))
+    check_paged(q, weights, pool, lens, table, width + 5000, fill_past_context=False)
+
+
+@pytest.mark.gpu
 def test_decode_at_128k_context():
     """Paged logits of 2 requests at 128K context, then top-2048 from them, both backends."""
     q, weights, pool, lens, table, width = paged_inputs(2, 1, 64, [131072, 100000], cuda, generator(128))
@@ -284,6 +297,8 @@ def run_interpreter_cases() -> None:
     check_paged(*paged_inputs(2, 2, 16, [3, 150], cpu, generator(3)))
     check_paged(*paged_inputs(2, 1, 16, [70, 200], cpu, generator(4)), tokens_per_step=128, steps=2)
     check_paged(*paged_inputs(2, 3, 16, [70, 200], cpu, generator(5)), tokens_per_step=64, steps=2, heads_on_n=True)
+    q, weights, pool, lens, table, width = paged_inputs(2, 2, 16, [3, 150], cpu, generator(6))
+    check_paged(q, weights, pool, lens, table, width + 300, fill_past_context=False, tokens_per_step=64, steps=1)
     logits = tricky_logits(4, 1500, cpu, generator(4))
     check_topk(logits, 64)
     check_topk(logits, 32, torch.tensor([0, 100, 7, 1500], dtype=torch.int32),

@@ -226,6 +226,7 @@ def indexer_logits_paged(
     block_tables: torch.Tensor,
     max_context_len: int,
     *,
+    fill_past_context: bool = True,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Indexer scores of decode queries against the paged FP8 key cache (causal).
@@ -236,6 +237,9 @@ def indexer_logits_paged(
     context_lens: [B] int32, tokens of request b in the cache, the n queries included (>= n).
     block_tables: [B, max_blocks] int32 block ids; entries past a request's context are ignored.
     max_context_len: int >= max(context_lens), the width of the result.
+    fill_past_context: False leaves the positions at and past context_lens[b] unspecified (not
+    written: a CUDA graph's rows are max_context_len wide whatever the batch's contexts), for
+    callers whose top-k reads each row only up to its query's end.
     Returns [B * n, max_context_len] fp32: query j of request b sits at position
     ``context_lens[b] - n + j`` and scores positions [0, that position]; -inf beyond.
     """
@@ -247,9 +251,11 @@ def indexer_logits_paged(
     check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 132]", device)
     _check_paged(context_lens, block_tables, k_cache.shape[0], k_cache.shape[1], batch, next_n, max_context_len, device)
+    if not isinstance(fill_past_context, bool):
+        raise ValueError(f"fill_past_context must be a bool, got {fill_past_context!r}")
     impl = dispatch.select("indexer_logits_paged", device, backend, block_size=k_cache.shape[1], next_n=next_n,
                            heads=num_heads)
-    return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len)
+    return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len, fill_past_context)
 
 
 def indexer_topk(

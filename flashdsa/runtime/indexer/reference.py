@@ -95,9 +95,11 @@ def indexer_logits_paged(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     max_context_len: int,
+    fill_past_context: bool = True,
 ) -> torch.Tensor:
     """Decode logits ``[B * n, max_context_len]`` fp32: query j of request b sits at position
-    ``context_lens[b] - n + j`` and scores positions ``[0, that position]``; -inf beyond."""
+    ``context_lens[b] - n + j`` and scores positions ``[0, that position]``; -inf beyond (also
+    past the context: ``fill_past_context`` only lets the GPU kernels skip those)."""
     batch, n = q_fp8.shape[:2]
     out = torch.full((batch * n, max_context_len), -math.inf, dtype=torch.float32, device=q_fp8.device)
     for b in range(batch):

@@ -4,7 +4,8 @@
 // Contract (flashdsa.runtime.indexer.indexer_logits_paged): out[b * n + j, s] = scale[s] *
 // sum_h weights[b * n + j, h] * relu(q[b, j, h] . key[s]) for the positions s <= context_lens[b] -
 // n + j of request b's cache (found through its block table), -inf for the others below
-// max_context_len. A 64-token cache block holds 64 e4m3 keys of 128 bytes, then their 64 fp32
+// max_context_len (with fill_past_context false, the blocks past the context are not written).
+// A 64-token cache block holds 64 e4m3 keys of 128 bytes, then their 64 fp32
 // scales (8448 bytes, flashdsa.runtime.cache.layout). A block id outside [0, num_blocks) is never
 // read: its keys score 0. The block table must map every block of a context (the op's checks);
 // entries past it are never read. NaN e4m3 codes score as 0 (relu is fmaxf, as Triton's maximum).
@@ -168,8 +169,9 @@ __global__ void __launch_bounds__(THREADS) paged_logits_kernel(const __grid_cons
       }
   }
   wait_copies<0>();
-  fill_minus_inf(a, b, static_cast<int64_t>(first + live) * BLOCK,
-                 min(static_cast<int64_t>(end) * BLOCK, a.max_context_len));
+  if (a.fill_past_context)
+    fill_minus_inf(a, b, static_cast<int64_t>(first + live) * BLOCK,
+                   min(static_cast<int64_t>(end) * BLOCK, a.max_context_len));
 }
 
 template <int N, int NQ>

@@ -15,6 +15,7 @@ struct PagedLogitsArgs {
   float* out;                // [B * n, max_context_len]
   int64_t table_stride, max_context_len, num_blocks;
   int batch, n, heads, blocks_per_cta;
+  bool fill_past_context;    // false: blocks past a request's context are not written
 };
 
 int paged_logits_max_blocks_per_cta();

@@ -26,8 +26,8 @@ def _blocks_per_cta(batch: int, width_blocks: int, device: torch.device) -> int:
 
 
 def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
-                         context_lens: torch.Tensor, block_tables: torch.Tensor, max_context_len: int, *,
-                         blocks_per_cta: int | None = None) -> torch.Tensor:
+                         context_lens: torch.Tensor, block_tables: torch.Tensor, max_context_len: int,
+                         fill_past_context: bool = True, *, blocks_per_cta: int | None = None) -> torch.Tensor:
     """Arguments and result of ``flashdsa.runtime.indexer.indexer_logits_paged`` (64-token cache
     blocks); ``blocks_per_cta`` sets the launch (benchmarks sweep it). CUDA-graph capturable."""
     batch, next_n, _, _ = q_fp8.shape
@@ -39,6 +39,6 @@ def indexer_logits_paged(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: to
     stream = torch._C._cuda_getCurrentRawStream(q_fp8.get_device())
     q = q_fp8.contiguous()
     q = q if q.data_ptr() % 16 == 0 else q.clone()  # a view at an odd offset: the kernel copies 16 bytes at a time
-    _paged_logits_cuda(q, weights.contiguous(), k_cache, context_lens.contiguous(), table, max_context_len, per_cta,
-                       out, stream)
+    _paged_logits_cuda(q, weights.contiguous(), k_cache, context_lens.contiguous(), table, max_context_len,
+                       fill_past_context, per_cta, out, stream)
     return out

@@ -24,7 +24,7 @@ void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t 
 // out: [B * n, max_context_len] fp32.
 void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& cache,
                           const at::Tensor& context_lens, const at::Tensor& block_tables, int64_t max_context_len,
-                          int64_t blocks_per_cta, at::Tensor& out, int64_t stream) {
+                          bool fill_past_context, int64_t blocks_per_cta, at::Tensor& out, int64_t stream) {
   TORCH_CHECK(q.is_cuda() && q.element_size() == 1 && q.dim() == 4 && q.size(3) == 128 && q.is_contiguous(),
               "q must be a contiguous CUDA [B, n, H, 128] tensor of e4m3 bytes, got ", q.scalar_type(), " ", q.sizes());
   const int64_t batch = q.size(0), n = q.size(1), heads = q.size(2);
@@ -51,7 +51,7 @@ void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const 
                        cache.data_ptr<uint8_t>(), context_lens.data_ptr<int>(), block_tables.data_ptr<int>(),
                        out.data_ptr<float>(), block_tables.stride(0), max_context_len, cache.size(0),
                        static_cast<int>(batch), static_cast<int>(n), static_cast<int>(heads),
-                       static_cast<int>(blocks_per_cta)};
+                       static_cast<int>(blocks_per_cta), fill_past_context};
   const char* error = launch_paged_logits(args, q.device().index(), reinterpret_cast<void*>(stream));
   TORCH_CHECK(error == nullptr, "indexer_logits_paged_cuda launch failed: ", error);
 }
@@ -60,7 +60,7 @@ void indexer_logits_paged(const at::Tensor& q, const at::Tensor& weights, const 
 
 TORCH_LIBRARY_FRAGMENT(flashdsa, m) {
   m.def("indexer_logits_paged_cuda(Tensor q, Tensor weights, Tensor cache, Tensor context_lens, Tensor block_tables, "
-        "int max_context_len, int blocks_per_cta, Tensor(a!) out, int stream) -> ()",
+        "int max_context_len, bool fill_past_context, int blocks_per_cta, Tensor(a!) out, int stream) -> ()",
         &indexer_logits_paged);
 }
 

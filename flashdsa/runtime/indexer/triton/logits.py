@@ -116,9 +116,11 @@ def indexer_logits(q_fp8, weights, k_fp8, k_scale, starts, ends) -> torch.Tensor
 def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
                   num_heads, next_n, max_context_len, stride_table,
                   NEXT_N: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, STEPS: tl.constexpr, HEADS_ON_N: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, STEPS: tl.constexpr, HEADS_ON_N: tl.constexpr,
+                  FILL_PAST_CONTEXT: tl.constexpr):
     """Request b, positions [j * TOKENS * STEPS, (j + 1) * TOKENS * STEPS), TOKENS (whole cache
-    blocks, found through the block table) per step."""
+    blocks, found through the block table) per step; steps past the context only get -inf, and
+    only with FILL_PAST_CONTEXT."""
     b = tl.program_id(0).to(tl.int64)
     step0 = tl.program_id(1) * STEPS
     rows = tl.arange(0, NEXT_N * H)  # query j, head h at row j * H + h
@@ -154,10 +156,11 @@ def _paged_kernel(q_ptr, w_ptr, cache_ptr, lens_ptr, table_ptr, out_ptr,
             score = tl.sum(tl.reshape(dots, (NEXT_N, H, TOKENS)), 1) * scale[None, :]
         score = tl.where(pos[None, :] <= last[:, None], score, float("-inf"))
         tl.store(out_ptr + out_rows + pos[None, :], score, mask=query_ok & (pos < max_context_len)[None, :])
-    for step in range(tl.maximum(live_steps, step0), step0 + STEPS):
-        pos = step * TOKENS + tl.arange(0, TOKENS)
-        tl.store(out_ptr + out_rows + pos[None, :], tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32),
-                 mask=query_ok & (pos < max_context_len)[None, :])
+    if FILL_PAST_CONTEXT:
+        for step in range(tl.maximum(live_steps, step0), step0 + STEPS):
+            pos = step * TOKENS + tl.arange(0, TOKENS)
+            tl.store(out_ptr + out_rows + pos[None, :], tl.full([NEXT_N, TOKENS], float("-inf"), tl.float32),
+                     mask=query_ok & (pos < max_context_len)[None, :])
 
 
 def _paged_steps(batch: int, max_context_len: int, tokens: int, device: torch.device) -> int:
@@ -170,13 +173,14 @@ def _paged_steps(batch: int, max_context_len: int, tokens: int, device: torch.de
     return steps
 
 
-def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int, *,
-                         tokens_per_step: int | None = None, steps: int | None = None, num_warps: int = 4,
-                         num_stages: int = 3, heads_on_n: bool = True) -> torch.Tensor:
+def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len: int,
+                         fill_past_context: bool = True, *, tokens_per_step: int | None = None,
+                         steps: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                         heads_on_n: bool = True) -> torch.Tensor:
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
-    query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond.
-    The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
+    query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond (with
+    ``fill_past_context`` False, steps past the context are not written). The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
     the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step.
     By default 128 tokens a step for up to 2 queries a request, else 64 (from 3 queries the
     [128, n * heads] accumulator spills). H100, b=64 at 128K: 1046 us at the former default (64
@@ -196,6 +200,7 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
         num_heads, next_n, max_context_len, table.stride(0),
         NEXT_N=triton.next_power_of_2(next_n), H=_pad_heads(num_heads), D=INDEX_HEAD_DIM,
         BLOCK_SIZE=block_size, TOKENS=tokens, STEPS=steps, HEADS_ON_N=heads_on_n,
+        FILL_PAST_CONTEXT=fill_past_context,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
