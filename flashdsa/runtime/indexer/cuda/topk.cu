@@ -93,6 +93,17 @@ __device__ __forceinline__ bool is_finite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+constexpr uint32_t NO_BIN = ~0u;  // count_bins: this lane counts nothing
+
+// Adds one to hist[bin] for every lane of the warp whose bin is not NO_BIN, with one atomic per
+// distinct bin: a top digit crowds a few bins (scores of one order of magnitude share their sign,
+// exponent and first mantissa bits), where one atomic a lane serializes up to 32 on an address.
+// Every lane of the warp calls it.
+__device__ __forceinline__ void count_bins(uint32_t* hist, uint32_t bin) {
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (bin != NO_BIN && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
 // The kernel's pieces for CTAs of THREADS threads (512: two CTAs an SM, for many rows; 1024: one,
 // for rows too few to fill the GPU with two CTAs an SM).
 template <int THREADS>
@@ -115,6 +126,7 @@ struct TopK {
         int cand_pos[CAND_CAP];
         uint32_t tie_key[CAND_CAP];  // the inverted columns of the candidates level with the threshold
       } select;
+      uint32_t column_set[BINS + 3 * CAND_CAP];  // unsorted output: a bit per column of the row, set if selected
       typename SortByRel::TempStorage by_rel;
       typename SortByScore::TempStorage by_score;
       typename SortByColumn::TempStorage by_column;
@@ -256,10 +268,18 @@ struct TopK {
         for (int i = 0; i < VEC; ++i) {
           const uint32_t k = tile.key[j][i];
           const bool match = above_shift == 32 || (k >> above_shift) == prefix;
-          if (k != 0 && match) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
+          count_bins(s.select.hist, k != 0 && match ? (k >> shift) & mask : NO_BIN);
         }
     }
     __syncthreads();
+  }
+
+  // Asks L2 for columns [lo, hi) of the row, one request per 128-byte line, without waiting: a long
+  // row's one pass reads it all after the sample's histograms, which then no longer wait on memory.
+  static __device__ void prefetch_to_l2(const float* row, int lo, int hi) {
+    constexpr int LINE = 128 / sizeof(float);
+    for (int c = lo - lo % LINE + LINE * threadIdx.x; c < hi; c += LINE * THREADS)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + c));
   }
 
   // Appends the row's usable keys at or above `floor` and their columns to the
@@ -412,9 +432,11 @@ struct TopK {
       for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
       __syncthreads();
       const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
-      for (int c = threadIdx.x; c < n; c += THREADS) {
-        const uint32_t k = keys[c];
-        if (level == 0 || (k >> shift_of(level - 1)) == prefix) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
+      for (int first = 0; first < n; first += THREADS) {  // whole warps: count_bins
+        const int c = first + threadIdx.x;
+        const uint32_t k = c < n ? keys[c] : 0u;
+        count_bins(s.select.hist, c < n && (level == 0 || (k >> shift_of(level - 1)) == prefix) ? (k >> shift) & mask
+                                                                                                  : NO_BIN);
       }
       __syncthreads();
       pick_digit(1 << bits_of(level), need, s);
@@ -490,12 +512,38 @@ struct TopK {
       write_by_score(key, pos, key_min, key_max, n, topk, column_bits, last_column, out, s);
       return;
     }
+    if (width <= 32 * static_cast<int>(sizeof(s.column_set) / sizeof(uint32_t))) {
+      write_in_column_order(pos, n, topk, width, out, s);
+      return;
+    }
     SortByColumn(s.by_column).Sort(pos, 0, column_bits);  // padding (every bit set) last
 #pragma unroll
     for (int i = 0; i < SORT_ITEMS; ++i) {
       const int r = SORT_ITEMS * threadIdx.x + i;
       if (r < topk) out[r] = r < n ? static_cast<int>(pos[i]) : -1;
     }
+  }
+
+  // write_selection's column order without a sort, for rows whose columns fit s.column_set: each
+  // entry sets its column's bit; each thread owns a run of words, counts their bits, and writes
+  // their columns from its place (a block scan of the counts).
+  static __device__ void write_in_column_order(const uint32_t (&pos)[SORT_ITEMS], int n, int topk, int width,
+                                               int* out, Shared& s) {
+    const int words = (width + 31) / 32, per = (words + THREADS - 1) / THREADS;
+    for (int w = threadIdx.x; w < words; w += THREADS) s.column_set[w] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < SORT_ITEMS; ++i)
+      if (SORT_ITEMS * threadIdx.x + i < n) atomicOr(&s.column_set[pos[i] / 32], 1u << (pos[i] % 32));
+    __syncthreads();
+    const int first = threadIdx.x * per, last = min(first + per, words);
+    int count = 0;
+    for (int w = first; w < last; ++w) count += __popc(s.column_set[w]);
+    ulonglong2 total;
+    int at = static_cast<int>(block_exclusive_sum(make_ulonglong2(count, 0), total, s).x);
+    for (int w = first; w < last; ++w)
+      for (uint32_t bits = s.column_set[w]; bits != 0; bits &= bits - 1) out[at++] = 32 * w + __ffs(bits) - 1;
+    for (int r = n + threadIdx.x; r < topk; r += THREADS) out[r] = -1;
   }
 
   // write_by_score's fallback for rows with a run of equal keys longer than TIE_RUN_MAX: the
@@ -642,6 +690,7 @@ struct TopK {
   // CAND_CAP keys reach the floor.
   static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
                                            int* out, Shared& s) {
+    prefetch_to_l2(row, lo, hi);
     const uint32_t floor = sample_floor(row, lo, hi, width, topk, s);
     if (floor == 0) return false;
     clear_lists(s);
@@ -730,6 +779,7 @@ struct TopK {
     if (long_row) {
       const int mid = lo + (hi - lo) / 2;
       const int half_lo = rank == 0 ? lo : mid, half_hi = rank == 0 ? mid : hi;
+      prefetch_to_l2(row_ptr, half_lo, half_hi);
       const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, topk, s, peer);
       if (floor != 0) {
         clear_lists(s);
