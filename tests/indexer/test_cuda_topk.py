@@ -85,11 +85,12 @@ def check(logits: torch.Tensor, topk: int, starts=None, ends=None) -> None:
 @pytest.mark.parametrize("rows, length, topk", [
     (8, 3000, 64), (12, 70000, 2048), (5, 100, 256), (3, 1, 1), (6, 4099, 2048), (2, 70001, 2048),
     (4, 131072, 2048), (64, 4103, 512), (3, 5, 7), (1, 65536, 1), (300, 2500, 256), (400, 9000, 2048),
-    (300, 65536, 2048), (280, 70000, 17), (3, 200000, 2048)])
+    (300, 65536, 2048), (280, 70000, 17), (3, 200000, 2048), (2, 500000, 2048)])
 def test_topk_matches_reference_on_full_rows_and_random_ranges(rows, length, topk):
     """Rows fewer than twice the SMs run 1024-thread CTAs, more rows 512-thread ones. Rows of 16
     tiles or more (131072 columns and longer in 1024-thread CTAs, 65536 in 512-thread ones) take
-    the one-pass path with a sampled floor."""
+    the one-pass path with a sampled floor. Unsorted columns come from a bitmap of the row up to
+    458752 columns, a radix sort by column past it (500000)."""
     g = generator(rows, length, topk)
     logits = tricky_logits(rows, length, cuda, g)
     check(logits, topk)

@@ -16,7 +16,9 @@
 //  4. the candidates' remaining digits are resolved in shared memory down to the exact threshold
 //     key; of the candidates level with it, the lowest columns are kept (a radix select on the
 //     columns when there are more than needed);
-//  5. the selection is radix sorted: unsorted, by column; sorted, by key descending relative to
+//  5. unsorted, the selection's columns set bits of a bitmap of the row in shared memory, read back in
+//     order (a block scan of each thread's count; a row wider than the bitmap is radix sorted by
+//     column); sorted, the selection is radix sorted by key descending relative to
 //     its lowest (key - lowest + 1: about 24 bits for scores within a factor of two of each
 //     other, against 32 + column bits for (key, column) packed), the columns along, then each
 //     run of equal keys is put in column order in shared memory (an entry's place: the run's
@@ -76,8 +78,6 @@ __host__ __device__ constexpr int bits_of(int level) { return level == 2 ? 10 : 
 // ... from the row's first tile).
 enum class Tiles { kAll, kSample };
 
-__device__ __forceinline__ bool reads(Tiles tiles, int t) { return tiles == Tiles::kAll || t % SAMPLE_STRIDE == 0; }
-
 // fp32 -> uint32 whose unsigned order is the float order; -0.0 maps with +0.0 (a tie).
 __device__ __forceinline__ uint32_t order_key(float x) {
   uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
@@ -91,17 +91,6 @@ __device__ __forceinline__ float key_value(uint32_t key) {
 
 __device__ __forceinline__ bool is_finite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
-
-constexpr uint32_t NO_BIN = ~0u;  // count_bins: this lane counts nothing
-
-// Adds one to hist[bin] for every lane of the warp whose bin is not NO_BIN, with one atomic per
-// distinct bin: a top digit crowds a few bins (scores of one order of magnitude share their sign,
-// exponent and first mantissa bits), where one atomic a lane serializes up to 32 on an address.
-// Every lane of the warp calls it.
-__device__ __forceinline__ void count_bins(uint32_t* hist, uint32_t bin) {
-  const unsigned peers = __match_any_sync(0xffffffffu, bin);
-  if (bin != NO_BIN && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
 }
 
 // The kernel's pieces for CTAs of THREADS threads (512: two CTAs an SM, for many rows; 1024: one,
@@ -207,7 +196,6 @@ struct TopK {
   // where the row's address is 16-byte aligned (first_tile), so inside the row every load is 128-bit.
   struct Tile {
     static constexpr int SIZE = THREADS * VEC * LOADS;
-    uint32_t key[LOADS][VEC];
 
     __device__ __forceinline__ static int pos(int base, int j, int i) {
       return base + (j * THREADS + threadIdx.x) * VEC + i;
@@ -233,20 +221,50 @@ struct TopK {
       }
     }
 
-    __device__ __forceinline__ void load(const float* row, int base, int lo, int hi, int width) {
-      float v[LOADS][VEC];
-      load_values(row, base, lo, hi, width, v);
-#pragma unroll
-      for (int j = 0; j < LOADS; ++j)
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) key[j][i] = is_finite(v[j][i]) ? order_key(v[j][i]) : 0u;
-    }
-
     // The first tile's column: at or below lo, where the row's address is 16-byte aligned (fp32
     // rows are 4-byte aligned, so some column among lo - 3 .. lo is).
     __device__ __forceinline__ static int first_tile(const float* row, int lo) {
       const int misaligned = static_cast<int>(reinterpret_cast<uintptr_t>(row) / sizeof(float) % VEC);
       return lo - (lo + misaligned) % VEC;
+    }
+  };
+
+  // A row's tiles in order (all, or the sample), each tile's loads issued before the previous tile is
+  // used, so two tiles are in flight: the passes over a row wait on memory, not on instructions.
+  struct TileStream {
+    const float* row;
+    int lo, hi, width, step, base;
+    float next[LOADS][VEC];
+
+    __device__ __forceinline__ TileStream(const float* row, int lo, int hi, int width, Tiles tiles = Tiles::kAll)
+        : row(row), lo(lo), hi(hi), width(width),
+          step(tiles == Tiles::kSample ? SAMPLE_STRIDE * Tile::SIZE : Tile::SIZE), base(Tile::first_tile(row, lo)) {
+      if (base < hi) Tile::load_values(row, base, lo, hi, width, next);
+    }
+
+    __device__ __forceinline__ bool more() const { return base < hi; }
+
+    // The next tile's values (NaN outside [lo, hi)) and its first column; the one after starts loading.
+    __device__ __forceinline__ int take(float (&v)[LOADS][VEC]) {
+#pragma unroll
+      for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[j][i] = next[j][i];
+      const int taken = base;
+      base += step;
+      if (base < hi) Tile::load_values(row, base, lo, hi, width, next);
+      return taken;
+    }
+
+    // As take, as keys: order_key of the usable scores, 0 for the others.
+    __device__ __forceinline__ int take_keys(uint32_t (&key)[LOADS][VEC]) {
+      float v[LOADS][VEC];
+      const int taken = take(v);
+#pragma unroll
+      for (int j = 0; j < LOADS; ++j)
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) key[j][i] = is_finite(v[j][i]) ? order_key(v[j][i]) : 0u;
+      return taken;
     }
   };
 
@@ -257,29 +275,20 @@ struct TopK {
     __syncthreads();
     const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
     const int above_shift = level == 0 ? 32 : shift_of(level - 1);
-    Tile tile;
 #pragma unroll 2
-    for (int t = 0, base = Tile::first_tile(row, lo); base < hi; ++t, base += Tile::SIZE) {
-      if (!reads(tiles, t)) continue;
-      tile.load(row, base, lo, hi, width);
+    for (TileStream stream(row, lo, hi, width, tiles); stream.more();) {
+      uint32_t key[LOADS][VEC];
+      stream.take_keys(key);
 #pragma unroll
       for (int j = 0; j < LOADS; ++j)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t k = tile.key[j][i];
+          const uint32_t k = key[j][i];
           const bool match = above_shift == 32 || (k >> above_shift) == prefix;
-          count_bins(s.select.hist, k != 0 && match ? (k >> shift) & mask : NO_BIN);
+          if (k != 0 && match) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
         }
     }
     __syncthreads();
-  }
-
-  // Asks L2 for columns [lo, hi) of the row, one request per 128-byte line, without waiting: a long
-  // row's one pass reads it all after the sample's histograms, which then no longer wait on memory.
-  static __device__ void prefetch_to_l2(const float* row, int lo, int hi) {
-    constexpr int LINE = 128 / sizeof(float);
-    for (int c = lo - lo % LINE + LINE * threadIdx.x; c < hi; c += LINE * THREADS)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + c));
   }
 
   // Appends the row's usable keys at or above `floor` and their columns to the
@@ -290,9 +299,9 @@ struct TopK {
   static __device__ void collect_from_floor(const float* row, int lo, int hi, int width, uint32_t floor, Shared& s) {
     const float least = key_value(max(floor, order_key(-FLT_MAX)));  // finite: a usable score's key is above
 #pragma unroll 2
-    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
+    for (TileStream stream(row, lo, hi, width); stream.more();) {
       float v[LOADS][VEC];
-      Tile::load_values(row, base, lo, hi, width, v);
+      const int base = stream.take(v);
       int n = 0;
 #pragma unroll
       for (int j = 0; j < LOADS; ++j)
@@ -340,18 +349,18 @@ struct TopK {
   // call; clear_lists before the first appends).
   static __device__ void gather_row(const float* row, int lo, int hi, int width, int shift, uint32_t prefix,
                                     Shared& s) {
-    Tile tile;
 #pragma unroll 2
-    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
-      tile.load(row, base, lo, hi, width);
+    for (TileStream stream(row, lo, hi, width); stream.more();) {
+      uint32_t key[LOADS][VEC];
+      const int base = stream.take_keys(key);
       int above = 0, equal = 0;
 #pragma unroll
       for (int j = 0; j < LOADS; ++j)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t high = tile.key[j][i] >> shift;
-          above += tile.key[j][i] != 0 && high > prefix;
-          equal += tile.key[j][i] != 0 && high == prefix;
+          const uint32_t high = key[j][i] >> shift;
+          above += key[j][i] != 0 && high > prefix;
+          equal += key[j][i] != 0 && high == prefix;
         }
       if (!__any_sync(0xffffffffu, above + equal)) continue;  // most tiles of a long row
       int a = reserve(above, &s.num_sel), e = reserve(equal, &s.num_cand);
@@ -359,7 +368,7 @@ struct TopK {
       for (int j = 0; j < LOADS; ++j)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t k = tile.key[j][i];
+          const uint32_t k = key[j][i];
           if (k == 0) continue;
           if ((k >> shift) > prefix) {
             s.sel_key[a] = k;
@@ -379,15 +388,15 @@ struct TopK {
                                               int keep_equal, int& num_sel, int& num_cand, Shared& s) {
     num_sel = 0;
     num_cand = 0;
-    Tile tile;
-    for (int base = Tile::first_tile(row, lo); base < hi; base += Tile::SIZE) {
-      tile.load(row, base, lo, hi, width);
+    for (TileStream stream(row, lo, hi, width); stream.more();) {
+      uint32_t key[LOADS][VEC];
+      const int base = stream.take_keys(key);
       unsigned long long packed_above = 0, packed_equal = 0;  // 16-bit count per load j
 #pragma unroll
       for (int j = 0; j < LOADS; ++j)
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t k = tile.key[j][i];
+          const uint32_t k = key[j][i];
           packed_above += static_cast<unsigned long long>(k != 0 && k > threshold) << (16 * j);
           packed_equal += static_cast<unsigned long long>(k != 0 && k == threshold) << (16 * j);
         }
@@ -400,7 +409,7 @@ struct TopK {
         int e = cand_at + static_cast<int>((before.y >> (16 * j)) & 0xffff);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          const uint32_t k = tile.key[j][i];
+          const uint32_t k = key[j][i];
           const int p = Tile::pos(base, j, i);
           if (k != 0 && k > threshold) {
             s.sel_key[a] = k;
@@ -432,11 +441,9 @@ struct TopK {
       for (int b = threadIdx.x; b < BINS; b += THREADS) s.select.hist[b] = 0;
       __syncthreads();
       const int shift = shift_of(level), mask = (1 << bits_of(level)) - 1;
-      for (int first = 0; first < n; first += THREADS) {  // whole warps: count_bins
-        const int c = first + threadIdx.x;
-        const uint32_t k = c < n ? keys[c] : 0u;
-        count_bins(s.select.hist, c < n && (level == 0 || (k >> shift_of(level - 1)) == prefix) ? (k >> shift) & mask
-                                                                                                  : NO_BIN);
+      for (int c = threadIdx.x; c < n; c += THREADS) {
+        const uint32_t k = keys[c];
+        if (level == 0 || (k >> shift_of(level - 1)) == prefix) atomicAdd(&s.select.hist[(k >> shift) & mask], 1u);
       }
       __syncthreads();
       pick_digit(1 << bits_of(level), need, s);
@@ -690,7 +697,6 @@ struct TopK {
   // CAND_CAP keys reach the floor.
   static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
                                            int* out, Shared& s) {
-    prefetch_to_l2(row, lo, hi);
     const uint32_t floor = sample_floor(row, lo, hi, width, topk, s);
     if (floor == 0) return false;
     clear_lists(s);
@@ -779,7 +785,6 @@ struct TopK {
     if (long_row) {
       const int mid = lo + (hi - lo) / 2;
       const int half_lo = rank == 0 ? lo : mid, half_hi = rank == 0 ? mid : hi;
-      prefetch_to_l2(row_ptr, half_lo, half_hi);
       const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, topk, s, peer);
       if (floor != 0) {
         clear_lists(s);
