@@ -131,7 +131,7 @@ def test_crowded_threshold_bins_resolve_every_digit(rows_per_sm):
     the row), all equal (the lowest columns win), many copies of the threshold score (more than the
     4096 candidates held in shared memory: the ordered pass; fewer: the select on columns), and
     equal scores above the threshold (sorted by column). The 8 rows repeat to ``rows_per_sm`` rows
-    an SM, so each CTA size (1024, 512 threads) runs them."""
+    an SM: few rows (a pair of 1024-thread CTAs a long row, one for a shorter) and 512-thread CTAs."""
     g = generator(7)
     logits = torch.randn(8, 50000, generator=g)
     logits[0] = 1.0 + torch.randint(0, 50, (50000,), generator=g).float() * 2**-20
@@ -221,8 +221,8 @@ def test_rows_whose_digit_passes_resolve_the_threshold_have_no_race(rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2, 300])
 def test_one_pass_rows_whose_sample_misleads_fall_back(rows):
-    """One-pass rows (1024 threads at 2 rows, 512 at 300) whose sampled tiles (every 8th tile from
-    the first: 8192 and 4096 columns at those sizes) differ from the rest: sample scores far above
+    """One-pass rows (a pair of 1024-thread CTAs a row at 2 rows, 512 threads at 300) whose sampled
+    tiles (every 8th tile from each CTA's first: 8192 and 4096 columns at those sizes) differ from the rest: sample scores far above
     the rest's (fewer than topk reach the floor), far below them (the candidate list overflows),
     and a sample holding the row's only finite scores; then the same with random ranges."""
     g = generator(rows, 11)
@@ -239,13 +239,15 @@ def test_one_pass_rows_whose_sample_misleads_fall_back(rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_sm", [0, 2])
+@pytest.mark.parametrize("rows_per_sm", [0, 1, 2])
 def test_one_pass_rows_at_the_candidate_limits(rows_per_sm):
     """Long rows of -1.0 holding C copies of one score x, 400 of them in the sampled tiles (so the
     floor lands on x): C = topk - 1 (too few reach the floor: the digit passes), topk, 4096 (every
     candidate slot used) and 4097 (overflow: the digit passes); x = +0.0 and -0.0 mixed (a floor of
-    exactly +0.0) and a negative subnormal. The lowest columns of the tie win."""
-    length, tile = (131072, 8192) if rows_per_sm == 0 else (65536, 4096)
+    exactly +0.0) and a negative subnormal. The lowest columns of the tie win. Rows an SM: 0, a pair
+    of 1024-thread CTAs a row (each half's first tile sampled: tiles 0 and 8 here, as for one CTA);
+    1, one 1024-thread CTA; 2, 512-thread CTAs."""
+    length, tile = (65536, 4096) if rows_per_sm == 2 else (131072, 8192)
     sampled = torch.nonzero((torch.arange(length) // tile) % 8 == 0).flatten()
     rest = torch.nonzero((torch.arange(length) // tile) % 8 != 0).flatten()
     g = generator(rows_per_sm, 13)
@@ -269,10 +271,11 @@ def test_one_pass_rows_at_the_candidate_limits(rows_per_sm):
 def test_long_rows_of_small_batches_split_over_cta_pairs(rows_per_sm):
     """At most half a row an SM, rows of a long row's width or more take a pair of CTAs each (one
     half a CTA; 1 row an SM: one CTA a row). Rows whose top scores all sit in one half, straddle the
-    middle, tie across it, or mislead the sample (every tile but the sampled ones -inf), with and
+    middle, tie across it, mislead the sample (every tile but the row's sampled ones -inf: the second
+    half's sample is empty), hold nothing but NaN in one half, or nothing finite at all, with and
     without ranges; the widths are odd so the halves meet off a 16-byte boundary."""
     sms = torch.cuda.get_device_properties(cuda).multi_processor_count
-    rows, width = max(6, int(rows_per_sm * sms)), 200003
+    rows, width = max(8, int(rows_per_sm * sms)), 200003
     g = generator(int(rows_per_sm * 10))
     logits = torch.randn(rows, width, generator=g)
     logits[0, : width // 2] += 5.0  # the first half holds every top score
@@ -282,6 +285,8 @@ def test_long_rows_of_small_batches_split_over_cta_pairs(rows_per_sm):
     sample = (torch.arange(width) // 8192) % 8 == 0
     logits[4, ~sample] = float("-inf")
     logits[5, : width // 2] = float("nan")
+    logits[6] = float("nan")
+    logits[7] = float("-inf")
     logits = logits.to(cuda)
     check(logits, 2048)
     check(logits, 777, *random_ranges(rows, width, g))

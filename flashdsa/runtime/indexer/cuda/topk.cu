@@ -645,14 +645,30 @@ struct TopK {
     }
   }
 
-  // The floor of a long row (see the top): two digits of the sample's keys, about 5/4 * topk
-  // scores down the row; 0 for an empty sample. With a `peer` (a CTA pair sharing a row, each
+  // Columns of [lo, hi) that the sample reads (tiles 0, SAMPLE_STRIDE, ... from the first tile).
+  static __device__ int sampled_columns(const float* row, int lo, int hi) {
+    int n = 0;
+    for (int base = Tile::first_tile(row, lo); base < hi; base += SAMPLE_STRIDE * Tile::SIZE)
+      n += min(base + Tile::SIZE, hi) - max(base, lo);
+    return n;
+  }
+
+  // The floor's rank in a sample of `sampled` of the row's `columns` columns: 5/4 * topk scaled by
+  // the sample's share (which is not 1 / SAMPLE_STRIDE when the row's tiles are not a multiple of
+  // it: 3 of 18 tiles put the floor too high for topk scores to reach it).
+  static __device__ int floor_rank(int topk, int sampled, int columns) {
+    const int64_t quarters = 4 * int64_t{columns};
+    return static_cast<int>((int64_t{5} * topk * sampled + quarters - 1) / quarters);
+  }
+
+  // The floor of a long row (see the top): two digits of the sample's keys, `rank` (floor_rank)
+  // scores down the sample; 0 for an empty sample. With a `peer` (a CTA pair sharing a row, each
   // sampling its half), every histogram is summed over the pair before its digit is picked.
-  static __device__ uint32_t sample_floor(const float* row, int lo, int hi, int width, int topk, Shared& s,
+  static __device__ uint32_t sample_floor(const float* row, int lo, int hi, int width, int rank, Shared& s,
                                           int peer = -1) {
     histogram_row(row, lo, hi, width, 0, 0, s, Tiles::kSample);
     if (peer >= 0) add_peer_histogram(BINS, peer, s);
-    pick_digit(BINS, (topk * 5 / 4 + SAMPLE_STRIDE - 1) / SAMPLE_STRIDE, s);
+    pick_digit(BINS, rank, s);
     const int high = s.digit, left = s.need - s.above;
     if (high < 0) return 0;  // an empty sample
     __syncthreads();  // every thread has read s.digit, s.need and s.above before pick_digit writes them
@@ -697,7 +713,7 @@ struct TopK {
   // CAND_CAP keys reach the floor.
   static __device__ bool select_from_floor(const float* row, int lo, int hi, int width, int topk, bool sorted,
                                            int* out, Shared& s) {
-    const uint32_t floor = sample_floor(row, lo, hi, width, topk, s);
+    const uint32_t floor = sample_floor(row, lo, hi, width, floor_rank(topk, sampled_columns(row, lo, hi), hi - lo), s);
     if (floor == 0) return false;
     clear_lists(s);
     collect_from_floor(row, lo, hi, width, floor, s);
@@ -785,7 +801,9 @@ struct TopK {
     if (long_row) {
       const int mid = lo + (hi - lo) / 2;
       const int half_lo = rank == 0 ? lo : mid, half_hi = rank == 0 ? mid : hi;
-      const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, topk, s, peer);
+      const int sampled = sampled_columns(row_ptr, lo, mid) + sampled_columns(row_ptr, mid, hi);  // both halves'
+      const int rank = floor_rank(topk, sampled, hi - lo);
+      const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, rank, s, peer);
       if (floor != 0) {
         clear_lists(s);
         collect_from_floor(row_ptr, half_lo, half_hi, width, floor, s);
@@ -826,7 +844,7 @@ topk_pair_kernel(const float* __restrict__ logits, int64_t stride, int width, co
   TopK<1024>::run_pair(logits, stride, width, starts, ends, topk, sorted, out, out_stride);
 }
 
-// Rows at least this wide, too few to give every CTA pair an SM of its own, take the pair kernel:
+// Rows at least this wide, too few to give each CTA of a pair an SM of its own, take the pair kernel:
 // the width of a long row in 1024-thread CTAs.
 constexpr int64_t PAIR_MIN_WIDTH = int64_t{2 * SAMPLE_STRIDE - 1} * 1024 * VEC * LOADS + 1;
 
@@ -929,8 +947,8 @@ int indexer_topk_max_topk() { return MAX_TOPK; }
 // Launches the top-k of `rows` rows of `width` fp32 scores (row r at logits + r * stride), inside
 // [starts[r], ends[r]) or whole (both null), into out [rows, topk] int32 (row stride out_stride)
 // on `stream` of `device`. Returns nullptr or the
-// CUDA error's text. Rows too few for two 512-thread CTAs on every SM get one 1024-thread CTA
-// each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us).
+// CUDA error's text. Long rows at most half the SMs take a pair of 1024-thread CTAs each; other
+// rows too few for two 512-thread CTAs on every SM get one 1024-thread CTA each (measured on an H100: 128 rows x 128K 133 -> 104 us; 4096 rows x 64K 1391 -> 1829 us).
 // Four 256-thread CTAs an SM ran the two-pass 4096 x 64K in 1251 us, but have no room for the
 // one-pass buffer (512 threads, one pass: 1117 us).
 const char* launch_indexer_topk(const float* logits, int64_t stride, int64_t rows, int64_t width, const int* starts,
