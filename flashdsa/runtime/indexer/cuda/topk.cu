@@ -661,14 +661,14 @@ struct TopK {
     return static_cast<int>((int64_t{5} * topk * sampled + quarters - 1) / quarters);
   }
 
-  // The floor of a long row (see the top): two digits of the sample's keys, `rank` (floor_rank)
+  // The floor of a long row (see the top): two digits of the sample's keys, `floor_at` (floor_rank)
   // scores down the sample; 0 for an empty sample. With a `peer` (a CTA pair sharing a row, each
   // sampling its half), every histogram is summed over the pair before its digit is picked.
-  static __device__ uint32_t sample_floor(const float* row, int lo, int hi, int width, int rank, Shared& s,
+  static __device__ uint32_t sample_floor(const float* row, int lo, int hi, int width, int floor_at, Shared& s,
                                           int peer = -1) {
     histogram_row(row, lo, hi, width, 0, 0, s, Tiles::kSample);
     if (peer >= 0) add_peer_histogram(BINS, peer, s);
-    pick_digit(BINS, rank, s);
+    pick_digit(BINS, floor_at, s);
     const int high = s.digit, left = s.need - s.above;
     if (high < 0) return 0;  // an empty sample
     __syncthreads();  // every thread has read s.digit, s.need and s.above before pick_digit writes them
@@ -802,8 +802,8 @@ struct TopK {
       const int mid = lo + (hi - lo) / 2;
       const int half_lo = rank == 0 ? lo : mid, half_hi = rank == 0 ? mid : hi;
       const int sampled = sampled_columns(row_ptr, lo, mid) + sampled_columns(row_ptr, mid, hi);  // both halves'
-      const int rank = floor_rank(topk, sampled, hi - lo);
-      const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, rank, s, peer);
+      const int floor_at = floor_rank(topk, sampled, hi - lo);
+      const uint32_t floor = sample_floor(row_ptr, half_lo, half_hi, width, floor_at, s, peer);
       if (floor != 0) {
         clear_lists(s);
         collect_from_floor(row_ptr, half_lo, half_hi, width, floor, s);
