@@ -85,7 +85,8 @@ def _cuda_paged_supports(block_size: int = 64, next_n: int = 1, heads: int = 64,
         return f"cuda paged indexer logits need 64-token cache blocks, got {block_size}"
     queries = 1 << max(next_n - 1, 0).bit_length()
     if queries > 4 or heads > 256 // queries:
-        return f"cuda paged indexer logits fit n * H in 256 columns (n padded to a power of two), got n={next_n} H={heads}"
+        return (f"cuda paged indexer logits fit n * H in 256 columns (n padded to a power of two), "
+                f"got n={next_n} H={heads}")
     return native.unavailable()
 
 
@@ -251,8 +252,7 @@ def indexer_logits_paged(
     check_tensor("k_cache", k_cache, torch.uint8, [None, None, 1, INDEXER_TOKEN_BYTES],
                  "uint8 [num_blocks, block_size, 1, 132]", device)
     _check_paged(context_lens, block_tables, k_cache.shape[0], k_cache.shape[1], batch, next_n, max_context_len, device)
-    if not isinstance(fill_past_context, bool):
-        raise ValueError(f"fill_past_context must be a bool, got {fill_past_context!r}")
+    check(isinstance(fill_past_context, bool), f"fill_past_context must be a bool, got {fill_past_context!r}")
     impl = dispatch.select("indexer_logits_paged", device, backend, block_size=k_cache.shape[1], next_n=next_n,
                            heads=num_heads)
     return impl(q_fp8, weights, k_cache, context_lens, block_tables, max_context_len, fill_past_context)

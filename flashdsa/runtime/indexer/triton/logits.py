@@ -180,8 +180,9 @@ def indexer_logits_paged(q_fp8, weights, k_cache, context_lens, block_tables, ma
     """q_fp8: [B, n, H, 128] e4m3, weights: [B * n, H] fp32, k_cache: [nb, bs, 1, 132] uint8,
     context_lens: [B] int32, block_tables: [B, max_blocks] int32 -> [B * n, max_context_len] fp32;
     query j of request b sees positions [0, context_lens[b] - n + j], -inf beyond (with
-    ``fill_past_context`` False, steps past the context are not written). The keyword knobs set the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on
-    the dot's M dimension and the heads on N, so the sum over heads needs no cross-warp step.
+    ``fill_past_context`` False, steps past the context are not written). The keyword knobs set
+    the launch (benchmarks sweep them); ``heads_on_n`` puts the tokens on the dot's M dimension
+    and the heads on N, so the sum over heads needs no cross-warp step.
     By default 128 tokens a step for up to 2 queries a request, else 64 (from 3 queries the
     [128, n * heads] accumulator spills). H100, b=64 at 128K: 1046 us at the former default (64
     tokens, heads on M), 439 us at this one."""
