@@ -1,10 +1,12 @@
-"""Triton sparse MLA forward and backward, and the native (CUDA, SM90) forward, against the
-reference backend.
+"""Triton sparse MLA forward and backward, and the native (CUDA, SM90) forward and backward, against
+the reference backend.
 
 GPU tests (marked ``gpu``) walk grids of heads, widths, top-k and query counts plus corner cases
 and a long context; outputs land in poisoned (NaN) memory. Forward tests run on each backend
 (``cuda``: Hopper only, h_q 64 and 128), plus the native forward's own cases: top-k not a multiple
-of 64 and up to 16384, 70000 query rows, CUDA-graph replay. The CPU test runs a few tiny cases of
+of 64 and up to 16384, 70000 query rows, CUDA-graph replay. Backward tests run on both backends
+too (``cuda``: the Triton dq kernel with the native dkv kernels; Hopper, h_q 64 and 128). The CPU
+test runs a few tiny cases of
 the same checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported there,
 so other test files in this pytest run keep the normal triton).
 
@@ -62,14 +64,16 @@ def assert_grad_close(name, got, ref):
     assert_flashmla_close(name, got, ref, abs_tol=0.05 * rms, rel_tol=2 / 128, cos_tol=1e-4)
 
 
-def check_bwd(q, kv, indices, deterministic=False):
-    """Triton backward vs the reference backward given the same out, dout and lse."""
+def check_bwd(q, kv, indices, deterministic=False, backend="triton"):
+    """A backend's backward vs the reference backward given the same out, dout and lse."""
     sm_scale = q.shape[-1] ** -0.5
+    if backend == "cuda" and not cuda_forward_serves(q.shape[1]):
+        pytest.skip("the cuda backward serves SM90 and h_q 64 or 128")
     out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
     dout = torch.randn_like(out)
     flood_cuda_allocator_with_nan(q.device)
     dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, D_V,
-                             deterministic=deterministic, backend="triton")
+                             deterministic=deterministic, backend=backend)
     ref_dq, ref_dkv = reference.sparse_mla_bwd(q.float(), kv.float(), out.float(), dout.float(), lse, indices,
                                                sm_scale, D_V)
     assert dq.dtype == dkv.dtype == q.dtype
@@ -89,13 +93,14 @@ def inputs(s_q, s_kv, h_q, d_qk, topk, device, scale=0.1, **options):
 FWD_GRID = [(h, d, k, (1, 62, 37)[i % 3], (4096, 300)[i % 5 == 4])
             for i, (h, d, k) in enumerate(itertools.product((16, 64, 128, 7), (512, 576), (64, 512, 2048)))]
 BWD_GRID = [(16, 576, 64, 62, 1000), (64, 512, 512, 37, 4096), (128, 576, 2048, 5, 8192), (7, 576, 128, 1, 100),
-            (128, 576, 256, 62, 2000)]
+            (128, 576, 256, 62, 2000), (128, 512, 128, 70, 300), (64, 576, 64, 1, 50)]
 BAD_INDICES = [dict(invalid=0.3), dict(out_of_range=0.3), dict(duplicates=True),
                dict(invalid=0.2, out_of_range=0.2, duplicates=True)]
 
 gpu = pytest.mark.gpu
 cuda = torch.device("cuda")
 fwd_backends = pytest.mark.parametrize("backend", ["triton", "cuda"])
+bwd_backends = fwd_backends
 
 
 @gpu
@@ -192,31 +197,57 @@ def test_cuda_fwd_replays_in_a_cuda_graph():
 
 
 @gpu
+@bwd_backends
 @pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", BWD_GRID)
-def test_bwd_matches_reference(h_q, d_qk, topk, s_q, s_kv):
-    check_bwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.05))
+def test_bwd_matches_reference(h_q, d_qk, topk, s_q, s_kv, backend):
+    check_bwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.05), backend=backend)
 
 
 @gpu
+@bwd_backends
 @pytest.mark.parametrize("options", BAD_INDICES)
-def test_bwd_masks_invalid_and_counts_duplicate_indices(options):
-    check_bwd(*inputs(21, 300, 64, 576, 128, cuda, **options))
+def test_bwd_masks_invalid_and_counts_duplicate_indices(options, backend):
+    check_bwd(*inputs(21, 300, 64, 576, 128, cuda, **options), backend=backend)
 
 
 @gpu
-def test_bwd_long_context():
-    check_bwd(*inputs(16, 65536, 128, 576, 2048, cuda))
+@bwd_backends
+def test_bwd_long_context(backend):
+    check_bwd(*inputs(16, 65536, 128, 576, 2048, cuda), backend=backend)
 
 
 @gpu
-@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512)])
-def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk):
+@bwd_backends
+@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512), (64, 512)])
+def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk, backend):
     q, kv, indices = inputs(40, 200, h_q, d_qk, 256, cuda, duplicates=True, invalid=0.1)
-    out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True)
+    out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True, backend=backend)
     for _ in range(2):
         _, again = sparse_mla_bwd(q, kv, out, dout, lse, indices, d_qk ** -0.5, D_V, deterministic=True,
-                                  backend="triton")
+                                  backend=backend)
         assert torch.equal(again, dkv)
+
+
+@gpu
+def test_cuda_bwd_dkv_op_refuses_bad_arguments_with_their_names():
+    if not cuda_forward_serves(64):
+        pytest.skip("the cuda backward serves SM90")
+    from flashdsa.runtime.kernels.cuda import sparse_bwd
+
+    q, kv, indices = inputs(3, 100, 64, 576, 128, cuda)
+    dout = torch.zeros(3, 64, D_V, device=cuda, dtype=torch.bfloat16)
+    scratch = torch.zeros(3 * 64 * 128, device=cuda, dtype=torch.bfloat16)
+    dkv = torch.zeros(100, 576, device=cuda)
+    idx2 = indices.view(3, 128)
+    good = (q, dout, idx2, scratch, scratch, dkv, 100, 0, 3, False)
+    sparse_bwd.native_dkv(*good)
+    for at, bad, message in ((2, idx2[:, :100].contiguous(), "indices must have topk"), (3, scratch[:10], "p must be"),
+                             (4, scratch.float(), "ds must be"), (5, dkv.double(), "dkv must be"),
+                             (8, 4, "token0 and tokens must"), (1, dout[..., :256].contiguous(), "dout must be")):
+        args = list(good)
+        args[at] = bad
+        with pytest.raises(RuntimeError, match=message):
+            sparse_bwd.native_dkv(*args)
 
 
 INTERPRETER_CASES = [  # (s_q, s_kv, h_q, d_qk, topk, index options): tiny, the interpreter is slow
@@ -253,6 +284,8 @@ def run_memcheck_case() -> None:
     for deterministic in (False, True):
         check_bwd(q, kv, indices, deterministic)
     if cuda_forward_serves(q.shape[1]):
+        for deterministic in (False, True):
+            check_bwd(q, kv, indices, deterministic, backend="cuda")
         for d_qk in (576, 512):
             check_fwd(q[..., :d_qk].contiguous(), kv[..., :d_qk].contiguous(), indices, backend="cuda")
         empty = kv[:0]

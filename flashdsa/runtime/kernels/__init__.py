@@ -82,6 +82,14 @@ dispatch.register("sparse_mla_decode", "cuda", f"{__name__}.cuda.sparse_decode:s
 dispatch.register("sparse_mla_fwd", "cuda", f"{__name__}.cuda.sparse_fwd:sparse_mla_fwd", supports=_cuda_supports)
 
 
+def _cuda_bwd_supports(**facts) -> Optional[str]:
+    """The native backward's dkv half rides on the Triton dq kernel: both must serve the shapes."""
+    return _triton_supports(topk_multiple=TRITON_TOPK_MULTIPLE, **facts) or _cuda_supports(**facts)
+
+
+dispatch.register("sparse_mla_bwd", "cuda", f"{__name__}.cuda.sparse_bwd:sparse_mla_bwd", supports=_cuda_bwd_supports)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -15,9 +15,14 @@ Two kernels per chunk of query tokens (the chunk bounds the scratch memory):
 ``deterministic=True``: the second kernel stores each (token, slot) row into scratch instead,
 and ``_reduce_rows_kernel`` walks an inverse index (slots stably sorted by kv row), so every kv
 row sums its contributions in one fixed order: bitwise-identical dkv run to run.
+
+The second step is a parameter (``dkv_stage``): the native backend (``kernels.cuda.sparse_bwd``)
+keeps the first kernel and the chunking and runs its own dkv kernels on the same scratch.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -137,6 +142,26 @@ DQ_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 1}
 DKV_CONFIG = {"block_n": 64, "warps": 4, "stages": 3}
 
 
+# dkv_stage(q, dout, indices [s_q, topk], p, ds, rows, s_kv, token0, tokens, deterministic): the dkv
+# rows of tokens [token0, token0 + tokens) from the chunk's P and dS scratch, added into ``rows``
+# ([s_kv, d_qk] fp32) or, deterministic, stored per (token of the chunk, slot) into it.
+DkvStage = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int,
+                     bool], None]
+
+
+def triton_dkv(q: torch.Tensor, dout: torch.Tensor, idx2: torch.Tensor, p_buf: torch.Tensor, ds_buf: torch.Tensor,
+               rows: torch.Tensor, s_kv: int, token0: int, tokens: int, deterministic: bool) -> None:
+    """The Triton dkv step (a ``DkvStage``): one program per (token, 64 of the d_qk columns)."""
+    h_q, d_qk, topk = q.shape[1], q.shape[2], idx2.shape[1]
+    _bwd_dkv_kernel[(tokens * (d_qk // DKV_COLS),)](
+        q, dout, idx2, p_buf, ds_buf, rows,
+        h_q, s_kv, token0, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), idx2.stride(0),
+        TOPK=topk, D_QK=d_qk, H_PAD=max(16, triton.next_power_of_2(h_q)), BLOCK_N=DKV_CONFIG["block_n"],
+        COLS=DKV_COLS, DETERMINISTIC=deterministic, INTERPRET=interpreting(),
+        num_warps=DKV_CONFIG["warps"], num_stages=DKV_CONFIG["stages"],
+    )
+
+
 def _reduce_deterministic(rows: torch.Tensor, idx_chunk: torch.Tensor, dkv32: torch.Tensor) -> None:
     """Add a chunk's per-slot rows into ``dkv32`` kv row by kv row, each in (token, slot) order."""
     s_kv, d_qk = dkv32.shape
@@ -150,14 +175,15 @@ def _reduce_deterministic(rows: torch.Tensor, idx_chunk: torch.Tensor, dkv32: to
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
                    deterministic: bool = False, *, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int | None = None, num_stages: int | None = None,
+                   dkv_stage: Optional[DkvStage] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [s_q, h_q, d_qk], dkv [s_kv, 1, d_qk]) in q's dtype, accumulated in fp32.
 
     q: [s_q, h_q, 512 or 576] bf16, kv: [s_kv, 1, d_qk] bf16, out/dout: [s_q, h_q, 512] bf16,
     lse: [s_q, h_q] fp32 (natural log, +inf on empty rows), indices: [s_q, 1, topk] int32
     (validated by the caller). ``deterministic`` gives bitwise-identical dkv run to run.
-    The keyword knobs (dq kernel) exist for the benchmark's sweep.
+    The keyword knobs (dq kernel) exist for the benchmark's sweep; ``dkv_stage`` replaces the
+    Triton dkv step (``triton_dkv``).
     """
     s_q, h_q, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[-1]
@@ -185,13 +211,7 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
             INTERPRET=interpreting(), num_warps=num_warps or DQ_CONFIG["warps"][block_h],
             num_stages=num_stages or DQ_CONFIG["stages"],
         )
-        _bwd_dkv_kernel[(n * (d_qk // DKV_COLS),)](
-            q, dout, idx2, p_buf, ds_buf, rows,
-            h_q, s_kv, token0, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), idx2.stride(0),
-            TOPK=topk, D_QK=d_qk, H_PAD=max(16, triton.next_power_of_2(h_q)), BLOCK_N=DKV_CONFIG["block_n"],
-            COLS=DKV_COLS, DETERMINISTIC=deterministic, INTERPRET=interpreting(),
-            num_warps=DKV_CONFIG["warps"], num_stages=DKV_CONFIG["stages"],
-        )
+        (dkv_stage or triton_dkv)(q, dout, idx2, p_buf, ds_buf, rows, s_kv, token0, n, deterministic)
         if deterministic:
             _reduce_deterministic(rows, idx2[token0:token0 + n], dkv32)
     return dq, dkv32.to(kv.dtype).unsqueeze(1)
