@@ -93,7 +93,8 @@ def inputs(s_q, s_kv, h_q, d_qk, topk, device, scale=0.1, **options):
 FWD_GRID = [(h, d, k, (1, 62, 37)[i % 3], (4096, 300)[i % 5 == 4])
             for i, (h, d, k) in enumerate(itertools.product((16, 64, 128, 7), (512, 576), (64, 512, 2048)))]
 BWD_GRID = [(16, 576, 64, 62, 1000), (64, 512, 512, 37, 4096), (128, 576, 2048, 5, 8192), (7, 576, 128, 1, 100),
-            (128, 576, 256, 62, 2000), (128, 512, 128, 70, 300), (64, 576, 64, 1, 50)]
+            (128, 576, 256, 62, 2000), (128, 512, 128, 70, 300), (64, 576, 64, 1, 50), (128, 576, 192, 9, 500),
+            (64, 512, 320, 11, 700)]  # 3 and 5 tiles of 64: the native dkv's stages and warpgroups wrap oddly
 BAD_INDICES = [dict(invalid=0.3), dict(out_of_range=0.3), dict(duplicates=True),
                dict(invalid=0.2, out_of_range=0.2, duplicates=True)]
 
@@ -218,7 +219,7 @@ def test_bwd_long_context(backend):
 
 @gpu
 @bwd_backends
-@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512), (64, 512)])
+@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512), (64, 512), (64, 576), (128, 512)])
 def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk, backend):
     q, kv, indices = inputs(40, 200, h_q, d_qk, 256, cuda, duplicates=True, invalid=0.1)
     out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True, backend=backend)
@@ -226,6 +227,46 @@ def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk, backend):
         _, again = sparse_mla_bwd(q, kv, out, dout, lse, indices, d_qk ** -0.5, D_V, deterministic=True,
                                   backend=backend)
         assert torch.equal(again, dkv)
+
+
+@gpu
+@bwd_backends
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_in_token_chunks_matches_reference(monkeypatch, deterministic, backend):
+    """A scratch budget of 3 tokens: the backward runs 4 chunks (the last short), so every chunk after
+    the first starts at token0 > 0 in the dq and dkv steps."""
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    h_q, d_qk, topk = 64, 576, 128
+    per_token = h_q * topk * 4 + (topk * d_qk * 4 if deterministic else 0)
+    monkeypatch.setattr(triton_bwd, "SCRATCH_BYTES", 3 * per_token)
+    check_bwd(*inputs(10, 400, h_q, d_qk, topk, cuda, invalid=0.1, duplicates=True), deterministic, backend=backend)
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_dkv_step_equals_triton_dkv_step_on_the_same_scratch(h_q, d_qk, deterministic):
+    """The dkv step alone, native vs Triton, from the same random P and dS scratch of tokens [2, 7)
+    of 9 (token0 > 0), fp32 sums of the same bf16 products in another order: a wrong column range,
+    head or slot shows far above the tolerance, which the whole backward's looser check could hide."""
+    if not cuda_forward_serves(h_q):
+        pytest.skip("the cuda backward serves SM90")
+    from flashdsa.runtime.kernels.cuda import sparse_bwd as cuda_bwd
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    s_q, s_kv, topk, token0, tokens = 9, 300, 192, 2, 5
+    g = torch.Generator(device=cuda).manual_seed(SEED + h_q + d_qk)
+    q = torch.randn(s_q, h_q, d_qk, device=cuda, generator=g).bfloat16()
+    dout = torch.randn(s_q, h_q, D_V, device=cuda, generator=g).bfloat16()
+    idx2 = torch.randint(-20, s_kv + 20, (s_q, topk), device=cuda, dtype=torch.int32, generator=g)
+    p = torch.rand(tokens * h_q * topk, device=cuda, generator=g).bfloat16()
+    ds = torch.randn(tokens * h_q * topk, device=cuda, generator=g).bfloat16()
+    rows = tokens * topk if deterministic else s_kv
+    got, want = (torch.zeros(rows, d_qk, device=cuda) for _ in range(2))
+    cuda_bwd.native_dkv(q, dout, idx2, p, ds, got, s_kv, token0, tokens, deterministic)
+    triton_bwd.triton_dkv(q, dout, idx2, p, ds, want, s_kv, token0, tokens, deterministic)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 @gpu

@@ -68,6 +68,17 @@ template <>
 struct TileMma<128> {
   using type = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
 };
+template <>
+struct TileMma<64> {
+  using type = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
+};
+
+// acc's fragments FIRST.. += A B over the N columns of B from column FIRST * 8 on (one wgmma of TileMma<N>).
+template <int N, int FIRST, int ACC>
+__device__ __forceinline__ void tile_wgmma(uint64_t a, uint64_t b, float (&acc)[ACC][4], gmma::ScaleOut scale) {
+  constexpr uint64_t skip = FIRST * 8 / BLOCK_COLS * (BLOCK_BYTES >> 4);  // whole column blocks of B
+  wgmma_fragments<typename TileMma<N>::type, FIRST>(a, b + skip, acc, scale, std::make_index_sequence<4 * (N / 8)>{});
+}
 
 // dkv[row, col..col + 1] += (x, y), one vector reduction at L2.
 __device__ __forceinline__ void reduce_pair(float* at, float x, float y) {
@@ -150,10 +161,11 @@ __device__ __forceinline__ void write_rows(const SparseBwdDkvArgs& a, const floa
 
 // Consumer warpgroup `group`: tiles group, group + 2, ...: acc = dS^T q over the heads (all N_QK
 // columns), += P^T dout over the first N_V, then the stage goes back and the rows go out.
+// A wgmma batch may write one accumulator register with wgmmas of one shape only (PTX: other mixes
+// need a wgmma.fence between them, which serializes the batch), so with N_V < N_QK the key product
+// runs as N_V columns (the value product's shape, on the same fragments) plus the other N_QK - N_V.
 template <int HEADS, int N_QK, int N_V>
 __device__ void consume(const SparseBwdDkvArgs& a, Shared& s, int64_t local, int tiles, int col0, int group) {
-  using KeyMma = typename TileMma<N_QK>::type;
-  using ValueMma = typename TileMma<N_V>::type;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) % 4;
   // MN-major descriptors: leading byte offset = the stride between 64-column blocks, stride = 1024
   // bytes between groups of 8 rows (heads) along K; a K step of 16 heads is 2048 bytes (128 units)
@@ -168,12 +180,14 @@ __device__ void consume(const SparseBwdDkvArgs& a, Shared& s, int64_t local, int
     fence_fragments(acc);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < HEADS / 16; ++kk)
-      wgmma<KeyMma>(ds_desc + kk * 128, q_desc + kk * 128, acc, kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One);
+    for (int kk = 0; kk < HEADS / 16; ++kk) {
+      const gmma::ScaleOut scale = kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
+      tile_wgmma<N_V, 0>(ds_desc + kk * 128, q_desc + kk * 128, acc, scale);
+      if constexpr (N_V < N_QK) tile_wgmma<N_QK - N_V, N_V / 8>(ds_desc + kk * 128, q_desc + kk * 128, acc, scale);
+    }
 #pragma unroll
     for (int kk = 0; kk < HEADS / 16; ++kk)  // the first N_V columns (fragments) only
-      wgmma_fragments<ValueMma>(p_desc + kk * 128, dout_desc + kk * 128, acc, gmma::ScaleOut::One,
-                                std::make_index_sequence<4 * (N_V / 8)>{});
+      tile_wgmma<N_V, 0>(p_desc + kk * 128, dout_desc + kk * 128, acc, gmma::ScaleOut::One);
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
