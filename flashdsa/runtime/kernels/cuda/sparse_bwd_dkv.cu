@@ -1,7 +1,7 @@
 // Sparse MLA backward for Hopper (sm_90a), the dkv half: for each query token and selected key slot,
 // dkv[key] += dS^T q (every column: the key) + P^T dout (the first 512 columns: the value), summed over
-// the token's heads, from the P and dS = P (dP - delta) sm_scale that the dq kernel (Triton,
-// flashdsa.runtime.kernels.triton.sparse_bwd) leaves in bf16 scratch, [token, head, slot].
+// the token's heads, from the P and dS = P (dP - delta) sm_scale that the dq step (sparse_bwd_dq.cu,
+// or Triton's flashdsa.runtime.kernels.triton.sparse_bwd) leaves in bf16 scratch, [token, head, slot].
 //
 // Contract (flashdsa.runtime.kernels.sparse_mla_bwd): a slot whose key id is outside [0, s_kv) adds
 // nothing; duplicates add once per occurrence. Atomic mode adds fp32 rows into dkv with vector
@@ -28,6 +28,8 @@
 #include <cutlass/arch/barrier.h>
 
 #include "async_copy.cuh"
+#include "copy_ring.cuh"
+#include "launch_on_device.cuh"
 #include "shared_memory_opt_in.cuh"
 #include "sparse_bwd.h"
 #include "wgmma.cuh"
@@ -91,48 +93,24 @@ template <int HEADS, int N_QK, int N_V>
 __device__ __forceinline__ void load_columns(const SparseBwdDkvArgs& a, Shared& s, int64_t token, int col0) {
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q) + token * HEADS * a.d_qk + col0;
   const __nv_bfloat16* dout = static_cast<const __nv_bfloat16*>(a.dout) + token * HEADS * D_V + col0;
-  for (int i = threadIdx.x; i < HEADS * N_QK / 8; i += THREADS) {
-    const int head = i / (N_QK / 8), chunk = i % (N_QK / 8);
-    copy_async_16(s.q[chunk / 8] + swizzle_128b(head, chunk % 8), q + head * a.d_qk + chunk * 8, true);
-  }
-  for (int i = threadIdx.x; i < HEADS * N_V / 8; i += THREADS) {
-    const int head = i / (N_V / 8), chunk = i % (N_V / 8);
-    copy_async_16(s.dout[chunk / 8] + swizzle_128b(head, chunk % 8), dout + head * D_V + chunk * 8, true);
-  }
+  copy_rows_swizzled(s.q[0], BLOCK_BYTES, q, a.d_qk, HEADS, N_QK / 8, threadIdx.x, THREADS);
+  copy_rows_swizzled(s.dout[0], BLOCK_BYTES, dout, D_V, HEADS, N_V / 8, threadIdx.x, THREADS);
   commit_copies();
   wait_copies<0>();
   fence_to_wgmma();
 }
 
 // The producer warpgroup: each tile's dS and P rows (64 slots of every head, 128 bytes a head) into
-// stage t % STAGES once its last consumer is done with it; a tile's FULL is arrived on when its copies
-// have landed, after the next tile's are issued, so two tiles' copies are in flight.
+// the ring (copy_ring.cuh's produce_ring).
 template <int HEADS>
 __device__ void produce(const SparseBwdDkvArgs& a, Shared& s, int64_t local, int tiles) {
   const int64_t first = local * HEADS * a.topk;  // the token's rows of scratch
   const __nv_bfloat16* ds = static_cast<const __nv_bfloat16*>(a.ds) + first;
   const __nv_bfloat16* p = static_cast<const __nv_bfloat16*>(a.p) + first;
-  for (int t = 0; t < tiles; ++t) {
-    const int stage = t % STAGES;
-    if (t >= STAGES) Barrier::wait(&s.empty[stage], ((t / STAGES) & 1) ^ 1);
-    for (int i = threadIdx.x; i < HEADS * 8; i += WARPGROUP_THREADS) {
-      const int head = i / 8, chunk = i % 8;
-      const int64_t at = static_cast<int64_t>(head) * a.topk + t * SLOTS + chunk * 8;
-      copy_async_16(s.ds[stage] + swizzle_128b(head, chunk), ds + at, true);
-      copy_async_16(s.p[stage] + swizzle_128b(head, chunk), p + at, true);
-    }
-    commit_copies();
-    if (t > 0) {
-      wait_copies<1>();
-      fence_to_wgmma();
-      Barrier::arrive(&s.full[(t - 1) % STAGES]);
-    }
-  }
-  if (tiles > 0) {
-    wait_copies<0>();
-    fence_to_wgmma();
-    Barrier::arrive(&s.full[(tiles - 1) % STAGES]);
-  }
+  produce_ring<STAGES>(s.full, s.empty, tiles, [&](int t, int stage) {
+    copy_rows_swizzled(s.ds[stage], BLOCK_BYTES, ds + t * SLOTS, a.topk, HEADS, 8, threadIdx.x, WARPGROUP_THREADS);
+    copy_rows_swizzled(s.p[stage], BLOCK_BYTES, p + t * SLOTS, a.topk, HEADS, 8, threadIdx.x, WARPGROUP_THREADS);
+  });
 }
 
 // The tile's rows (slots 16 * warp + g and + 8 of the warpgroup's accumulator) into dkv: added to the
@@ -245,17 +223,12 @@ cudaError_t launch_heads(const SparseBwdDkvArgs& a, int device, cudaStream_t str
 
 const char* launch_sparse_bwd_dkv(const SparseBwdDkvArgs& args, int device, void* stream) {
   if (args.tokens == 0) return nullptr;
-  if ((args.h_q != 64 && args.h_q != 128) || (args.d_qk != 512 && args.d_qk != 576) || args.topk < SLOTS ||
-      args.topk % SLOTS != 0 || args.tokens > 0x7fffffff)
+  if (!sparse_bwd_serves(args.h_q, args.d_qk, args.topk, SLOTS, args.tokens))
     return "sparse bwd dkv: unsupported h_q, d_qk, topk or token count (the op checks these first)";
-  int previous = 0;
-  cudaError_t err = cudaGetDevice(&previous);
-  if (err == cudaSuccess && previous != device) err = cudaSetDevice(device);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  err = args.h_q == 128 ? launch_heads<128>(args, device, cuda_stream) : launch_heads<64>(args, device, cuda_stream);
-  if (previous != device) cudaSetDevice(previous);
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  const auto s = static_cast<cudaStream_t>(stream);
+  return launch_on_device(device, [&] {
+    return args.h_q == 128 ? launch_heads<128>(args, device, s) : launch_heads<64>(args, device, s);
+  });
 }
 
 }  // namespace flashdsa
