@@ -260,17 +260,19 @@ def test_bwd_in_token_chunks_matches_reference(monkeypatch, deterministic, backe
 
 
 @gpu
-@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
-def test_cuda_dq_step_equals_triton_dq_step(h_q, d_qk):
-    """The dq step alone, native vs Triton, on tokens [2, 7) of 9 (token0 > 0): the chunk's dq rows
-    and the P and dS scratch it leaves for the dkv step."""
+@pytest.mark.parametrize("h_q, d_qk, topk", [(64, 576, 192), (128, 576, 192), (64, 512, 192), (128, 512, 160)])
+def test_cuda_dq_step_equals_triton_dq_step(h_q, d_qk, topk):
+    """The dq step alone, native vs Triton, on tokens [2, 7) of 9 (token0 > 0), one of them with no
+    valid slot (lse +inf: dq, P and dS 0): the chunk's dq rows and the P and dS scratch it leaves for
+    the dkv step. topk 160 is an odd number of the native kernel's 32-key tiles."""
     if not cuda_forward_serves(h_q):
         pytest.skip("the cuda backward serves SM90")
     from flashdsa.runtime.kernels.cuda import sparse_bwd as cuda_bwd
     from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
 
-    s_q, s_kv, topk, token0, tokens, sm_scale = 9, 300, 192, 2, 5, d_qk ** -0.5
+    s_q, s_kv, token0, tokens, sm_scale = 9, 300, 2, 5, d_qk ** -0.5
     q, kv, indices = inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.1, out_of_range=0.1, duplicates=True)
+    indices[4] = -1
     out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
     dout = torch.randn_like(out)
     kv2, idx2 = kv.view(s_kv, d_qk), indices.view(s_q, topk)
@@ -324,10 +326,12 @@ def test_cuda_bwd_ops_refuse_bad_arguments_with_their_names():
     kv2, idx2, dq = kv.view(100, 576), indices.view(3, 128), torch.empty_like(q)
     dkv = torch.zeros(100, 576, device=cuda)
     narrow_topk, narrow_dout = idx2[:, :100].contiguous(), out[..., :256].contiguous()
-    assert_refuses(sparse_bwd.native_dq, (q, kv2, out, out, lse, idx2, dq, scratch, scratch, 100, 0.1, 0, 3), [
+    other = torch.zeros_like(scratch)
+    assert_refuses(sparse_bwd.native_dq, (q, kv2, out, out, lse, idx2, dq, scratch, other, 100, 0.1, 0, 3), [
         (1, kv2[:, :512].contiguous(), "kv must be"), (4, lse.double(), "lse must be"),
         (5, narrow_topk, "indices must have topk"), (6, dq.float(), "dq must be"), (7, scratch[:10], "p must be"),
-        (10, float("nan"), "sm_scale must be"), (12, 4, "token0 and tokens must"), (3, narrow_dout, "dout must be")])
+        (10, float("nan"), "sm_scale must be"), (12, 4, "token0 and tokens must"), (3, narrow_dout, "dout must be"),
+        (5, torch.zeros(3 * 128 + 1, device=cuda, dtype=torch.int32)[1:].view(3, 128), "indices must start")])
     assert_refuses(sparse_bwd.native_dkv, (q, out, idx2, scratch, scratch, dkv, 100, 0, 3, False), [
         (2, narrow_topk, "indices must have topk"), (3, scratch[:10], "p must be"), (4, scratch.float(), "ds must be"),
         (5, dkv.double(), "dkv must be"), (5, dkv.t(), "dkv must be"), (8, 4, "token0 and tokens must"),

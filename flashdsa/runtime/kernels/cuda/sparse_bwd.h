@@ -30,11 +30,11 @@ struct SparseBwdDkvArgs {
 struct SparseBwdDqArgs {
   const void* q;           // [s_q, h_q, d_qk] bf16, contiguous, 16-byte aligned
   const void* kv;          // [s_kv, d_qk] bf16 key rows (the first 512 columns are the value), 16-byte aligned
-  const void* out;         // [s_q, h_q, 512] bf16, contiguous
+  const void* out;         // [s_q, h_q, 512] bf16, contiguous, 16-byte aligned
   const void* dout;        // [s_q, h_q, 512] bf16, contiguous, 16-byte aligned
   const float* lse;        // [s_q, h_q] natural log; +inf for a row without a valid slot
-  const int32_t* indices;  // [s_q, topk] int32 key rows, contiguous
-  void* dq;                // [s_q, h_q, d_qk] bf16, written
+  const int32_t* indices;  // [s_q, topk] int32 key rows, contiguous, 16-byte aligned (read in pairs)
+  void* dq;                // [s_q, h_q, d_qk] bf16, written; 16-byte aligned
   void* p;                 // [tokens, h_q, topk] bf16 scratch of the chunk, written
   void* ds;                // the same for dS
   int64_t s_kv;
@@ -48,10 +48,11 @@ struct SparseBwdDqArgs {
 constexpr int kSparseBwdSlotsPerTile = 64;   // dkv: key slots a tile
 constexpr int kSparseBwdDqKeysPerTile = 32;  // dq: keys a tile
 
-// The shapes both kernels take: h_q 64 or 128, d_qk 512 or 576, topk whole tiles, a grid's tokens.
-inline bool sparse_bwd_serves(int h_q, int d_qk, int topk, int tile, int64_t tokens) {
+// The shapes both kernels take: h_q 64 or 128, d_qk 512 or 576, topk whole tiles, at most 2^31 - 1
+// CTAs along a grid's x.
+inline bool sparse_bwd_serves(int h_q, int d_qk, int topk, int tile, int64_t ctas) {
   return (h_q == 64 || h_q == 128) && (d_qk == 512 || d_qk == 576) && topk >= tile && topk % tile == 0 &&
-         tokens <= 0x7fffffff;
+         ctas <= 0x7fffffff;
 }
 
 // Launches the dq kernel on `stream` of `device`. Returns nullptr or the CUDA error's text.

@@ -49,6 +49,12 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     """
     if d_v != KV_LORA_RANK:
         raise ValueError(f"cuda sparse_mla_bwd needs d_v {KV_LORA_RANK}, got {d_v}")
-    return triton_bwd.run_backward(q.contiguous(), kv.contiguous(), out.contiguous(), dout.contiguous(),
-                                   lse.contiguous(), indices.contiguous(), sm_scale, deterministic, native_dq,
+    q, kv, out, dout, indices = (_contiguous_aligned(t) for t in (q, kv, out, dout, indices))
+    return triton_bwd.run_backward(q, kv, out, dout, lse.contiguous(), indices, sm_scale, deterministic, native_dq,
                                    native_dkv)
+
+
+def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and starting on a 16-byte boundary (the kernels' vector loads), copied if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()

@@ -305,14 +305,16 @@ __device__ void high_half(const SparseBwdDqArgs& a, Shared& s, int64_t local, in
   if constexpr (ROPE_COLS > 0) store_dq(a, rope, token, head0, D_V, DQK, r, lane);
 }
 
-// One CTA per token of the chunk (blockIdx.x) and block of 64 heads (blockIdx.y).
+// One CTA per token of the chunk and block of 64 heads, the head blocks of a token next to each other
+// (blockIdx.x = token * head blocks + block): both gather the same key rows, the second from L2.
 template <int DQK>
 __global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ SparseBwdDqArgs args) {
   static_assert((DQK == 512 || DQK == 576) && KEYS % 16 == 0, "d_qk 512 or 576; whole K steps of 16 keys");
   extern __shared__ __align__(1024) uint8_t smem[];
   Shared& s = *reinterpret_cast<Shared*>(smem);
-  const int64_t local = blockIdx.x, token = args.token0 + local;
-  const int head0 = static_cast<int>(blockIdx.y) * HEADS;
+  const int head_blocks = args.h_q / HEADS;
+  const int64_t local = blockIdx.x / head_blocks, token = args.token0 + local;
+  const int head0 = static_cast<int>(blockIdx.x % head_blocks) * HEADS;
   const int tiles = args.topk / KEYS;
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < STAGES; ++stage) {
@@ -341,8 +343,7 @@ cudaError_t launch(const SparseBwdDqArgs& a, int device, cudaStream_t stream) {
   const int bytes = sizeof(Shared);
   cudaError_t err = opt_in_shared_memory<dq_kernel<DQK>>(bytes, device);
   if (err != cudaSuccess) return err;
-  dq_kernel<DQK><<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.h_q / HEADS)), THREADS, bytes,
-                   stream>>>(a);
+  dq_kernel<DQK><<<static_cast<unsigned>(a.tokens * (a.h_q / HEADS)), THREADS, bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -350,7 +351,7 @@ cudaError_t launch(const SparseBwdDqArgs& a, int device, cudaStream_t stream) {
 
 const char* launch_sparse_bwd_dq(const SparseBwdDqArgs& args, int device, void* stream) {
   if (args.tokens == 0) return nullptr;
-  if (!sparse_bwd_serves(args.h_q, args.d_qk, args.topk, KEYS, args.tokens))
+  if (!sparse_bwd_serves(args.h_q, args.d_qk, args.topk, KEYS, args.tokens * (args.h_q / HEADS)))
     return "sparse bwd dq: unsupported h_q, d_qk, topk or token count (the op checks these first)";
   const auto s = static_cast<cudaStream_t>(stream);
   return launch_on_device(device, [&] {

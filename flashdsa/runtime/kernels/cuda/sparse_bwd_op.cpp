@@ -56,8 +56,10 @@ void sparse_bwd_dq(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& 
   TORCH_CHECK(indices.dim() == 2, "indices must be [s_q=", s_q, ", topk], got ", indices.sizes());
   const int64_t topk = indices.size(1);
   check_tensor(indices, "indices", at::kInt, {s_q, topk}, q);
+  check_aligned(indices, "indices");  // the kernel reads two ids at a time
   check_chunk(s_q, topk, kSparseBwdDqKeysPerTile, token0, tokens);
   check_tensor(dq, "dq", at::kBFloat16, {s_q, h_q, d_qk}, q);
+  check_aligned(dq, "dq");
   check_scratch(p, "p", tokens * h_q * topk, q);
   check_scratch(ds, "ds", tokens * h_q * topk, q);
   TORCH_CHECK(std::isfinite(sm_scale) && sm_scale > 0, "sm_scale must be a positive finite number, got ", sm_scale);
