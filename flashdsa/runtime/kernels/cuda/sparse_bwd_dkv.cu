@@ -113,21 +113,33 @@ __device__ void produce(const SparseBwdDkvArgs& a, Shared& s, int64_t local, int
   });
 }
 
-// The tile's rows (slots 16 * warp + g and + 8 of the warpgroup's accumulator) into dkv: added to the
-// selected key rows (invalid ids skipped), or stored as the (token, slot) rows of deterministic mode.
-template <int N_QK>
-__device__ __forceinline__ void write_rows(const SparseBwdDkvArgs& a, const float (&acc)[N_QK / 8][4], int64_t local,
-                                           int t, int col0, int warp, int lane) {
-  const int g = lane >> 2, t4 = lane & 3;
+// The dkv rows of this thread's accumulator rows in tile t (slots 16 * warp + g and + 8): the key
+// ids (-1 when invalid: skipped), or the (token, slot) rows of deterministic mode. Read while the
+// tile's wgmmas run.
+__device__ __forceinline__ void rows_of(const SparseBwdDkvArgs& a, int64_t local, int t, int warp, int lane,
+                                        int (&rows)[2]) {
   const int64_t token = a.token0 + local;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int slot = t * SLOTS + 16 * warp + g + 8 * i;
-    int64_t row = local * a.topk + slot;
-    if (!a.deterministic) {
-      row = __ldg(a.indices + token * a.topk + slot);
-      if (row < 0 || row >= a.s_kv) continue;
+    const int slot = t * SLOTS + 16 * warp + (lane >> 2) + 8 * i;
+    if (a.deterministic) {
+      rows[i] = static_cast<int>(local * a.topk + slot);  // the chunk's scratch rows fit an int (the op checks)
+    } else {
+      const int id = __ldg(a.indices + token * a.topk + slot);
+      rows[i] = id >= 0 && id < a.s_kv ? id : -1;
     }
+  }
+}
+
+// The tile's rows into dkv: added to the selected key rows, or stored (deterministic mode).
+template <int N_QK>
+__device__ __forceinline__ void write_rows(const SparseBwdDkvArgs& a, const float (&acc)[N_QK / 8][4],
+                                           const int (&rows)[2], int col0, int lane) {
+  const int t4 = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = rows[i];
+    if (row < 0) continue;
     float* out = a.dkv + row * a.d_qk + col0 + 2 * t4;
 #pragma unroll
     for (int j = 0; j < N_QK / 8; ++j) {
@@ -167,11 +179,13 @@ __device__ void consume(const SparseBwdDkvArgs& a, Shared& s, int64_t local, int
     for (int kk = 0; kk < HEADS / 16; ++kk)  // the first N_V columns (fragments) only
       tile_wgmma<N_V, 0>(p_desc + kk * 128, dout_desc + kk * 128, acc, gmma::ScaleOut::One);
     cute::warpgroup_commit_batch();
+    int rows[2];
+    rows_of(a, local, t, warp, lane, rows);
     cute::warpgroup_wait<0>();
     fence_fragments(acc);
     __syncwarp();
     if (lane == 0) Barrier::arrive(&s.empty[stage]);
-    write_rows<N_QK>(a, acc, local, t, col0, warp, lane);
+    write_rows<N_QK>(a, acc, rows, col0, lane);
   }
 }
 
