@@ -103,8 +103,9 @@ void sparse_bwd_dkv(const at::Tensor& q, const at::Tensor& dout, const at::Tenso
   TORCH_CHECK(dkv.device() == q.device() && dkv.scalar_type() == at::kFloat && dkv.dim() == 2 &&
                   dkv.size(1) == d_qk && dkv.is_contiguous() &&
                   (!deterministic || (dkv.size(0) >= tokens * topk && tokens * topk <= INT32_MAX)),
-              "dkv must be a contiguous float32 [", deterministic ? "tokens * topk (below 2^31) or more" : "s_kv", ", d_qk=", d_qk,
-              "] tensor on ", q.device(), ", got ", dkv.scalar_type(), " ", dkv.sizes(), " on ", dkv.device());
+              "dkv must be a contiguous float32 [", deterministic ? "tokens * topk (below 2^31) or more" : "s_kv",
+              ", d_qk=", d_qk, "] tensor on ", q.device(), ", got ", dkv.scalar_type(), " ", dkv.sizes(), " on ",
+              dkv.device());
   if (dkv.numel() > 0) check_aligned(dkv, "dkv");
   SparseBwdDkvArgs args{};
   args.q = q.data_ptr();
