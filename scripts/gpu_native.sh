@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One GPU call for the native (CUDA C++) kernels: build them (timed: the first use's JIT cost; the
 # ptxas report gives registers, spills and shared memory per kernel), their GPU tests against the
-# reference, compute-sanitizer memcheck passes over edge cases (top-k, paged indexer logits, sparse decode), synccheck on
-# the decode (its warp roles meet at named barriers) and racecheck on the top-k, then the sparse
-# decode and prefill benchmarks (triton, cuda and FlashMLA side by side) and the top-k benchmark. FlashMLA
+# reference, compute-sanitizer memcheck passes over edge cases (top-k, paged indexer logits, sparse
+# decode, forward and backward), synccheck on the decode and the attention tests (warp roles meet at
+# named barriers) and racecheck on the top-k, then the sparse
+# decode and prefill benchmarks (triton, cuda and FlashMLA side by side), the top-k benchmark and the
+# backward (bench_attention at 64K: Triton's and the native one). FlashMLA
 # builds in the background meanwhile (from .device/flashmla: run ../shared/device/prepare first and
-# carry .device). Writes at most 7 files under $OUT (default /tmp/flashdsa-gpu): device.txt,
+# carry .device). Writes at most 9 files under $OUT (default /tmp/flashdsa-gpu): device.txt,
 # build.log, tests.log, memcheck.log, bench-decode.log, bench-prefill.log, bench-topk.log,
-# BENCHMARKS-native.md.
+# bench-attention.log, BENCHMARKS-native.md.
 # Run on the device machine (Hopper) as:  source .device/env.sh; bash scripts/gpu_native.sh
 set -uo pipefail
 out=${OUT:-/tmp/flashdsa-gpu}
@@ -35,9 +37,11 @@ if command -v compute-sanitizer >/dev/null; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
       python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
   done
-  echo "== synccheck tests/kernels/test_cuda_sparse_decode.py" >> "$out/memcheck.log"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool synccheck --error-exitcode 1 \
-    python3 tests/kernels/test_cuda_sparse_decode.py --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
+  for t in tests/kernels/test_cuda_sparse_decode.py tests/kernels/test_triton_attention.py; do  # named barriers
+    echo "== synccheck $t" >> "$out/memcheck.log"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool synccheck --error-exitcode 1 \
+      python3 "$t" --memcheck 2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
+  done
   echo "== racecheck tests/indexer/test_cuda_topk.py" >> "$out/memcheck.log"
   compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/indexer/test_cuda_topk.py --memcheck \
     2>&1 | tail -n 20 | tee -a "$out/memcheck.log" || status=1
@@ -51,4 +55,6 @@ python3 -m benchmarks.bench_sparse_decode --output "$out/BENCHMARKS-native.md" 2
 python3 -m benchmarks.bench_sparse_prefill --output "$out/BENCHMARKS-native.md" 2>&1 \
   | tee "$out/bench-prefill.log" || status=1
 python3 -m benchmarks.bench_topk --output "$out/BENCHMARKS-native.md" 2>&1 | tee "$out/bench-topk.log" || status=1
+python3 -m benchmarks.bench_attention --s-kv 65536 --output "$out/BENCHMARKS-native.md" 2>&1 \
+  | tee "$out/bench-attention.log" || status=1  # the native backward beside Triton's
 exit $status

@@ -34,8 +34,10 @@ def test_forced_backend_that_cannot_serve_raises_with_the_reason():
         sparse_mla_fwd(*fwd_inputs(), 0.1, backend="triton")
     q, kv, indices = fwd_inputs()
     out = torch.zeros(*q.shape[:2], 512, dtype=q.dtype)
-    with pytest.raises(ValueError, match="sparse_mla_bwd has no cuda implementation"):
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run sparse_mla_bwd: cuda needs a CUDA device"):
         sparse_mla_bwd(q, kv, out, out, torch.zeros(q.shape[:2]), indices, 0.1, backend="cuda")
+    with pytest.raises(ValueError, match="sparse_attention_v4_prefill has no cuda implementation"):
+        dispatch.select("sparse_attention_v4_prefill", CPU, "cuda")
 
 
 def test_forced_triton_reports_the_unsupported_shape(monkeypatch):

@@ -1,10 +1,13 @@
-"""Triton sparse MLA forward and backward, and the native (CUDA, SM90) forward, against the
-reference backend.
+"""Triton sparse MLA forward and backward, and the native (CUDA, SM90) forward and backward, against
+the reference backend.
 
 GPU tests (marked ``gpu``) walk grids of heads, widths, top-k and query counts plus corner cases
 and a long context; outputs land in poisoned (NaN) memory. Forward tests run on each backend
 (``cuda``: Hopper only, h_q 64 and 128), plus the native forward's own cases: top-k not a multiple
-of 64 and up to 16384, 70000 query rows, CUDA-graph replay. The CPU test runs a few tiny cases of
+of 64 and up to 16384, 70000 query rows, CUDA-graph replay. Backward tests run on both backends
+too (``cuda``: the native dq and dkv kernels; Hopper, h_q 64 and 128), and each native step against
+Triton's on the same inputs. The CPU
+test runs a few tiny cases of
 the same checks in a subprocess with TRITON_INTERPRET=1 (set before triton is imported there,
 so other test files in this pytest run keep the normal triton).
 
@@ -62,20 +65,36 @@ def assert_grad_close(name, got, ref):
     assert_flashmla_close(name, got, ref, abs_tol=0.05 * rms, rel_tol=2 / 128, cos_tol=1e-4)
 
 
-def check_bwd(q, kv, indices, deterministic=False):
-    """Triton backward vs the reference backward given the same out, dout and lse."""
+def check_bwd(q, kv, indices, deterministic=False, backend="triton"):
+    """A backend's backward vs the reference backward given the same out, dout and lse."""
     sm_scale = q.shape[-1] ** -0.5
-    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
+    if backend == "cuda" and not cuda_forward_serves(q.shape[1]):
+        pytest.skip("the cuda backward serves SM90 and h_q 64 or 128")
+    long_list = indices.shape[-1] > 8192  # past the Triton kernels' top-k: the native ones only
+    if long_list and backend == "triton":
+        pytest.skip("the triton backward takes topk up to 8192")
+    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="cuda" if long_list else "triton")
     dout = torch.randn_like(out)
     flood_cuda_allocator_with_nan(q.device)
     dq, dkv = sparse_mla_bwd(q, kv, out, dout, lse, indices, sm_scale, D_V,
-                             deterministic=deterministic, backend="triton")
+                             deterministic=deterministic, backend=backend)
     ref_dq, ref_dkv = reference.sparse_mla_bwd(q.float(), kv.float(), out.float(), dout.float(), lse, indices,
                                                sm_scale, D_V)
     assert dq.dtype == dkv.dtype == q.dtype
     assert_grad_close("dq", dq, ref_dq)
     assert_grad_close("dkv", dkv, ref_dkv)
     return out, dout, lse, dkv
+
+
+def assert_refuses(call, good: tuple, cases: list) -> None:
+    """``call(*good)`` runs; each (argument position, bad value, message) of ``cases`` in place of the
+    good argument raises a RuntimeError whose text matches the message."""
+    call(*good)
+    for at, bad, message in cases:
+        args = list(good)
+        args[at] = bad
+        with pytest.raises(RuntimeError, match=message):
+            call(*args)
 
 
 def inputs(s_q, s_kv, h_q, d_qk, topk, device, scale=0.1, **options):
@@ -89,13 +108,16 @@ def inputs(s_q, s_kv, h_q, d_qk, topk, device, scale=0.1, **options):
 FWD_GRID = [(h, d, k, (1, 62, 37)[i % 3], (4096, 300)[i % 5 == 4])
             for i, (h, d, k) in enumerate(itertools.product((16, 64, 128, 7), (512, 576), (64, 512, 2048)))]
 BWD_GRID = [(16, 576, 64, 62, 1000), (64, 512, 512, 37, 4096), (128, 576, 2048, 5, 8192), (7, 576, 128, 1, 100),
-            (128, 576, 256, 62, 2000)]
+            (128, 576, 256, 62, 2000), (128, 512, 128, 70, 300), (64, 576, 64, 1, 50), (128, 576, 192, 9, 500),
+            (64, 512, 320, 11, 700),  # 3 and 5 tiles of 64: the native dkv's stages and warpgroups wrap oddly
+            (64, 576, 10240, 2, 12000)]  # past Triton's 8192 (cuda only)
 BAD_INDICES = [dict(invalid=0.3), dict(out_of_range=0.3), dict(duplicates=True),
                dict(invalid=0.2, out_of_range=0.2, duplicates=True)]
 
 gpu = pytest.mark.gpu
 cuda = torch.device("cuda")
 fwd_backends = pytest.mark.parametrize("backend", ["triton", "cuda"])
+bwd_backends = fwd_backends
 
 
 @gpu
@@ -192,31 +214,128 @@ def test_cuda_fwd_replays_in_a_cuda_graph():
 
 
 @gpu
+@bwd_backends
 @pytest.mark.parametrize("h_q, d_qk, topk, s_q, s_kv", BWD_GRID)
-def test_bwd_matches_reference(h_q, d_qk, topk, s_q, s_kv):
-    check_bwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.05))
+def test_bwd_matches_reference(h_q, d_qk, topk, s_q, s_kv, backend):
+    check_bwd(*inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.05), backend=backend)
 
 
 @gpu
+@bwd_backends
 @pytest.mark.parametrize("options", BAD_INDICES)
-def test_bwd_masks_invalid_and_counts_duplicate_indices(options):
-    check_bwd(*inputs(21, 300, 64, 576, 128, cuda, **options))
+def test_bwd_masks_invalid_and_counts_duplicate_indices(options, backend):
+    check_bwd(*inputs(21, 300, 64, 576, 128, cuda, **options), backend=backend)
 
 
 @gpu
-def test_bwd_long_context():
-    check_bwd(*inputs(16, 65536, 128, 576, 2048, cuda))
+@bwd_backends
+def test_bwd_long_context(backend):
+    check_bwd(*inputs(16, 65536, 128, 576, 2048, cuda), backend=backend)
 
 
 @gpu
-@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512)])
-def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk):
+@bwd_backends
+@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (16, 512), (64, 512), (64, 576), (128, 512)])
+def test_bwd_deterministic_is_bitwise_reproducible(h_q, d_qk, backend):
     q, kv, indices = inputs(40, 200, h_q, d_qk, 256, cuda, duplicates=True, invalid=0.1)
-    out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True)
+    out, dout, lse, dkv = check_bwd(q, kv, indices, deterministic=True, backend=backend)
     for _ in range(2):
         _, again = sparse_mla_bwd(q, kv, out, dout, lse, indices, d_qk ** -0.5, D_V, deterministic=True,
-                                  backend="triton")
+                                  backend=backend)
         assert torch.equal(again, dkv)
+
+
+@gpu
+@bwd_backends
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_in_token_chunks_matches_reference(monkeypatch, deterministic, backend):
+    """A scratch budget of 3 tokens: the backward runs 4 chunks (the last short), so every chunk after
+    the first starts at token0 > 0 in the dq and dkv steps."""
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    h_q, d_qk, topk = 64, 576, 128
+    per_token = h_q * topk * 4 + (topk * d_qk * 4 if deterministic else 0)
+    monkeypatch.setattr(triton_bwd, "SCRATCH_BYTES", 3 * per_token)
+    check_bwd(*inputs(10, 400, h_q, d_qk, topk, cuda, invalid=0.1, duplicates=True), deterministic, backend=backend)
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk, topk", [(64, 576, 192), (128, 576, 192), (64, 512, 192), (128, 512, 160)])
+def test_cuda_dq_step_equals_triton_dq_step(h_q, d_qk, topk):
+    """The dq step alone, native vs Triton, on tokens [2, 7) of 9 (token0 > 0), one of them with no
+    valid slot (lse +inf: dq, P and dS 0): the chunk's dq rows and the P and dS scratch it leaves for
+    the dkv step. topk 160 is an odd number of the native kernel's 32-key tiles."""
+    if not cuda_forward_serves(h_q):
+        pytest.skip("the cuda backward serves SM90")
+    from flashdsa.runtime.kernels.cuda import sparse_bwd as cuda_bwd
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    s_q, s_kv, token0, tokens, sm_scale = 9, 300, 2, 5, d_qk ** -0.5
+    q, kv, indices = inputs(s_q, s_kv, h_q, d_qk, topk, cuda, invalid=0.1, out_of_range=0.1, duplicates=True)
+    indices[4] = -1
+    out, _, lse = sparse_mla_fwd(q, kv, indices, sm_scale, D_V, backend="triton")
+    dout = torch.randn_like(out)
+    kv2, idx2 = kv.view(s_kv, d_qk), indices.view(s_q, topk)
+    results = []
+    for stage in (cuda_bwd.native_dq, triton_bwd.triton_dq):
+        flood_cuda_allocator_with_nan(cuda)
+        dq = torch.empty_like(q)
+        p, ds = (torch.empty(tokens * h_q * topk, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+        stage(q, kv2, out, dout, lse, idx2, dq, p, ds, s_kv, sm_scale, token0, tokens)
+        results.append((dq[token0:token0 + tokens], p, ds))
+    for name, got, want in zip(("dq", "p", "ds"), *results):
+        assert_grad_close(name, got, want)
+
+
+@gpu
+@pytest.mark.parametrize("h_q, d_qk", [(64, 576), (128, 576), (64, 512), (128, 512)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuda_dkv_step_equals_triton_dkv_step_on_the_same_scratch(h_q, d_qk, deterministic):
+    """The dkv step alone, native vs Triton, from the same random P and dS scratch of tokens [2, 7)
+    of 9 (token0 > 0), fp32 sums of the same bf16 products in another order: a wrong column range,
+    head or slot shows far above the tolerance, which the whole backward's looser check could hide."""
+    if not cuda_forward_serves(h_q):
+        pytest.skip("the cuda backward serves SM90")
+    from flashdsa.runtime.kernels.cuda import sparse_bwd as cuda_bwd
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    s_q, s_kv, topk, token0, tokens = 9, 300, 192, 2, 5
+    g = torch.Generator(device=cuda).manual_seed(SEED + h_q + d_qk)
+    q = torch.randn(s_q, h_q, d_qk, device=cuda, generator=g).bfloat16()
+    dout = torch.randn(s_q, h_q, D_V, device=cuda, generator=g).bfloat16()
+    idx2 = torch.randint(-20, s_kv + 20, (s_q, topk), device=cuda, dtype=torch.int32, generator=g)
+    p = torch.rand(tokens * h_q * topk, device=cuda, generator=g).bfloat16()
+    ds = torch.randn(tokens * h_q * topk, device=cuda, generator=g).bfloat16()
+    rows = tokens * topk if deterministic else s_kv
+    got, want = (torch.zeros(rows, d_qk, device=cuda) for _ in range(2))
+    cuda_bwd.native_dkv(q, dout, idx2, p, ds, got, s_kv, token0, tokens, deterministic)
+    triton_bwd.triton_dkv(q, dout, idx2, p, ds, want, s_kv, token0, tokens, deterministic)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
+@gpu
+def test_cuda_bwd_ops_refuse_bad_arguments_with_their_names():
+    if not cuda_forward_serves(64):
+        pytest.skip("the cuda backward serves SM90")
+    from flashdsa.runtime.kernels.cuda import sparse_bwd
+
+    q, kv, indices = inputs(3, 100, 64, 576, 128, cuda)
+    out = torch.zeros(3, 64, D_V, device=cuda, dtype=torch.bfloat16)
+    lse = torch.zeros(3, 64, device=cuda)
+    scratch = torch.zeros(3 * 64 * 128, device=cuda, dtype=torch.bfloat16)
+    kv2, idx2, dq = kv.view(100, 576), indices.view(3, 128), torch.empty_like(q)
+    dkv = torch.zeros(100, 576, device=cuda)
+    narrow_topk, narrow_dout = idx2[:, :100].contiguous(), out[..., :256].contiguous()
+    other = torch.zeros_like(scratch)
+    assert_refuses(sparse_bwd.native_dq, (q, kv2, out, out, lse, idx2, dq, scratch, other, 100, 0.1, 0, 3), [
+        (1, kv2[:, :512].contiguous(), "kv must be"), (4, lse.double(), "lse must be"),
+        (5, narrow_topk, "indices must have topk"), (6, dq.float(), "dq must be"), (7, scratch[:10], "p must be"),
+        (10, float("nan"), "sm_scale must be"), (12, 4, "token0 and tokens must"), (3, narrow_dout, "dout must be"),
+        (5, torch.zeros(3 * 128 + 1, device=cuda, dtype=torch.int32)[1:].view(3, 128), "indices must start")])
+    assert_refuses(sparse_bwd.native_dkv, (q, out, idx2, scratch, scratch, dkv, 100, 0, 3, False), [
+        (2, narrow_topk, "indices must have topk"), (3, scratch[:10], "p must be"), (4, scratch.float(), "ds must be"),
+        (5, dkv.double(), "dkv must be"), (5, dkv.t(), "dkv must be"), (8, 4, "token0 and tokens must"),
+        (7, -1, "token0 and tokens must"), (1, narrow_dout, "dout must be")])
 
 
 INTERPRETER_CASES = [  # (s_q, s_kv, h_q, d_qk, topk, index options): tiny, the interpreter is slow
@@ -253,6 +372,8 @@ def run_memcheck_case() -> None:
     for deterministic in (False, True):
         check_bwd(q, kv, indices, deterministic)
     if cuda_forward_serves(q.shape[1]):
+        for deterministic in (False, True):
+            check_bwd(q, kv, indices, deterministic, backend="cuda")
         for d_qk in (576, 512):
             check_fwd(q[..., :d_qk].contiguous(), kv[..., :d_qk].contiguous(), indices, backend="cuda")
         empty = kv[:0]

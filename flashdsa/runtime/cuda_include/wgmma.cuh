@@ -30,11 +30,13 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* start, uint32_t leadi
          static_cast<uint64_t>(stride >> 4) << 32 | uint64_t{1} << 62;
 }
 
-// d += A B for one wgmma `Mma` whose accumulator is d's N / 8 fragments of 4 floats.
-template <typename Mma, int N, size_t... I>
+// d += A B for one wgmma `Mma` whose accumulator is fragments FIRST.. of d (sizeof...(I) / 4 of them,
+// 4 floats each; all of d by default).
+template <typename Mma, int FIRST = 0, int N, size_t... I>
 __device__ __forceinline__ void wgmma_fragments(uint64_t a, uint64_t b, float (&d)[N][4], gmma::ScaleOut scale_d,
                                                 std::index_sequence<I...>) {
-  Mma::fma(a, b, d[I / 4][I % 4]..., scale_d);
+  static_assert(FIRST + sizeof...(I) / 4 <= N, "the accumulator's fragments lie inside d");
+  Mma::fma(a, b, d[FIRST + I / 4][I % 4]..., scale_d);
 }
 
 // scale_d Zero: d = A B (d's old values are not read).

@@ -12,7 +12,8 @@ Backends (see ``flashdsa.runtime.dispatch``): ``reference`` (torch, any device, 
 backward a multiple of 64), ``cuda`` (decode and forward, SM90: bf16, h_q 64 or 128, d_qk 576 (512
 too for the forward), d_v 512, any topk up to 16384; measured faster than ``triton`` at every
 benchmark shape, so automatic selection picks it for decode, the model's prefill over the FP8
-cache and the forward).
+cache and the forward; and the backward, for topk a multiple of 64: native dq and dkv kernels, not
+yet run on a GPU on this branch).
 
 DeepSeek-V4's sparse attention (sinks, a sliding-window index set, per-query lengths, the FP8
 MODEL1 cache) lives in ``kernels.v4`` and is re-exported here.
@@ -43,6 +44,7 @@ TRITON_TOPK_MULTIPLE = 64
 TRITON_MAX_HEADS = 128
 CUDA_HEADS = (64, 128)  # 64 heads per CTA (cuda/sparse_attention.h)
 CUDA_MAX_TOPK = 16384
+CUDA_BWD_TOPK_MULTIPLE = 64  # the native dkv's tiles (cuda/sparse_bwd.h)
 
 
 def _triton_supports(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int, topk: int, topk_multiple: int = 1,
@@ -80,6 +82,16 @@ dispatch.register("sparse_mla_decode", "triton", f"{__name__}.triton.sparse_deco
 dispatch.register("sparse_mla_decode", "cuda", f"{__name__}.cuda.sparse_decode:sparse_mla_decode",
                   supports=_cuda_supports)
 dispatch.register("sparse_mla_fwd", "cuda", f"{__name__}.cuda.sparse_fwd:sparse_mla_fwd", supports=_cuda_supports)
+
+
+def _cuda_bwd_supports(topk: int, **facts) -> Optional[str]:
+    """The native backward: the native kernels' shapes, topk a whole number of the dkv's 64-slot tiles."""
+    if topk % CUDA_BWD_TOPK_MULTIPLE:
+        return f"cuda sparse_mla_bwd needs topk a multiple of {CUDA_BWD_TOPK_MULTIPLE}, got {topk}"
+    return _cuda_supports(topk=topk, **facts)
+
+
+dispatch.register("sparse_mla_bwd", "cuda", f"{__name__}.cuda.sparse_bwd:sparse_mla_bwd", supports=_cuda_bwd_supports)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -48,6 +48,8 @@
 
 #include "shared_memory_opt_in.cuh"
 #include "async_copy.cuh"
+#include "fast_math.cuh"
+#include "named_barriers.cuh"
 #include "sparse_attention.h"
 #include "wgmma.cuh"
 
@@ -138,16 +140,6 @@ constexpr int BAR_P_READY = 3;
 constexpr int BAR_P_FREE = 4;
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 
-// Named barriers, unaligned forms: the warps of a barrier reach it from different role branches
-// (different barrier instructions), which the aligned bar.sync forbids.
-__device__ __forceinline__ void bar_sync(int id, int count) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // The address of `local` (this CTA's shared memory) in CTA `rank` of the cluster.
 __device__ __forceinline__ uint32_t cluster_address(const void* local, int rank) {
   uint32_t out;
@@ -177,17 +169,6 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 using ScoreMma = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
 using LowerOutputMma = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;  // P from registers
 using UpperOutputMma = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;  // P from shared memory
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // Two e4m3 values (low byte first) -> bf16x2 of value * scale, rounded once (fp32 product).
 __device__ __forceinline__ uint32_t dequant_pair(uint32_t pair, float scale) {

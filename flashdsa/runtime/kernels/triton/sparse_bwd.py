@@ -15,9 +15,15 @@ Two kernels per chunk of query tokens (the chunk bounds the scratch memory):
 ``deterministic=True``: the second kernel stores each (token, slot) row into scratch instead,
 and ``_reduce_rows_kernel`` walks an inverse index (slots stably sorted by kv row), so every kv
 row sums its contributions in one fixed order: bitwise-identical dkv run to run.
+
+``run_backward`` drives the chunks with the two steps as functions (``triton_dq``, ``triton_dkv``):
+the native backend (``kernels.cuda.sparse_bwd``) runs its own kernels in the same driver.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 import triton
@@ -137,6 +143,50 @@ DQ_CONFIG = {"block_n": 64, "warps": {16: 4, 32: 4, 64: 8}, "stages": 1}
 DKV_CONFIG = {"block_n": 64, "warps": 4, "stages": 3}
 
 
+# The two steps of a chunk of tokens [token0, token0 + tokens), as functions so that the native
+# backend (kernels.cuda.sparse_bwd) can run its own kernels in the same driver (run_backward):
+# dq_stage(q, kv [s_kv, d_qk], out, dout, lse, indices [s_q, topk], dq, p, ds, s_kv, sm_scale, token0,
+#          tokens): dq of the chunk's rows, and its P and dS in bf16 scratch [tokens, h_q, topk];
+# dkv_stage(q, dout, indices, p, ds, rows, s_kv, token0, tokens, deterministic): the dkv rows from
+#          that scratch, added into ``rows`` ([s_kv, d_qk] fp32) or, deterministic, stored per
+#          (token of the chunk, slot) into it.
+DqStage = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor, torch.Tensor, int, float, int, int], None]
+DkvStage = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int,
+                     bool], None]
+
+
+def triton_dq(q: torch.Tensor, kv2: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+              idx2: torch.Tensor, dq: torch.Tensor, p_buf: torch.Tensor, ds_buf: torch.Tensor, s_kv: int,
+              sm_scale: float, token0: int, tokens: int, *, block_n: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> None:
+    """The Triton dq step (a ``DqStage``): one program per (token, block of heads); the keyword
+    knobs exist for the benchmark's sweep."""
+    h_q, d_qk, topk = q.shape[1], q.shape[2], idx2.shape[1]
+    block_h, head_blocks = head_blocking(h_q)
+    _bwd_dq_kernel[(tokens * head_blocks,)](
+        q, kv2, out, dout, lse, idx2, dq, p_buf, ds_buf,
+        h_q, s_kv, sm_scale, sm_scale * LOG2E, token0,
+        q.stride(0), q.stride(1), kv2.stride(0), dout.stride(0), dout.stride(1), idx2.stride(0),
+        TOPK=topk, D_PE=d_qk - NOPE.value, BLOCK_H=block_h, BLOCK_N=block_n or DQ_CONFIG["block_n"],
+        HEAD_BLOCKS=head_blocks, INTERPRET=interpreting(), num_warps=num_warps or DQ_CONFIG["warps"][block_h],
+        num_stages=num_stages or DQ_CONFIG["stages"],
+    )
+
+
+def triton_dkv(q: torch.Tensor, dout: torch.Tensor, idx2: torch.Tensor, p_buf: torch.Tensor, ds_buf: torch.Tensor,
+               rows: torch.Tensor, s_kv: int, token0: int, tokens: int, deterministic: bool) -> None:
+    """The Triton dkv step (a ``DkvStage``): one program per (token, 64 of the d_qk columns)."""
+    h_q, d_qk, topk = q.shape[1], q.shape[2], idx2.shape[1]
+    _bwd_dkv_kernel[(tokens * (d_qk // DKV_COLS),)](
+        q, dout, idx2, p_buf, ds_buf, rows,
+        h_q, s_kv, token0, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), idx2.stride(0),
+        TOPK=topk, D_QK=d_qk, H_PAD=max(16, triton.next_power_of_2(h_q)), BLOCK_N=DKV_CONFIG["block_n"],
+        COLS=DKV_COLS, DETERMINISTIC=deterministic, INTERPRET=interpreting(),
+        num_warps=DKV_CONFIG["warps"], num_stages=DKV_CONFIG["stages"],
+    )
+
+
 def _reduce_deterministic(rows: torch.Tensor, idx_chunk: torch.Tensor, dkv32: torch.Tensor) -> None:
     """Add a chunk's per-slot rows into ``dkv32`` kv row by kv row, each in (token, slot) order."""
     s_kv, d_qk = dkv32.shape
@@ -147,11 +197,36 @@ def _reduce_deterministic(rows: torch.Tensor, idx_chunk: torch.Tensor, dkv32: to
     _reduce_rows_kernel[(s_kv,)](rows, order, bounds, dkv32, D_QK=d_qk, D_PAD=triton.next_power_of_2(d_qk))
 
 
+def run_backward(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                 indices: torch.Tensor, sm_scale: float, deterministic: bool, dq_stage: DqStage,
+                 dkv_stage: DkvStage) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward in chunks of tokens whose P and dS fit SCRATCH_BYTES: per chunk ``dq_stage``,
+    ``dkv_stage`` and, deterministic, the fixed-order sum of the per-slot rows. Returns (dq, dkv)."""
+    s_q, h_q, d_qk = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    dq = torch.empty_like(q)
+    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=q.device)
+    if s_q == 0 or s_kv == 0:
+        return dq.zero_(), dkv32.to(kv.dtype).unsqueeze(1)
+    kv2, idx2 = kv.view(s_kv, d_qk), indices.view(s_q, topk)
+    per_token = h_q * topk * 4 + (topk * d_qk * 4 if deterministic else 0)
+    chunk = max(1, min(s_q, SCRATCH_BYTES // per_token))
+    p_buf = torch.empty(chunk * h_q * topk, dtype=q.dtype, device=q.device)
+    ds_buf = torch.empty_like(p_buf)
+    rows = torch.empty(chunk * topk, d_qk, dtype=torch.float32, device=q.device) if deterministic else dkv32
+    for token0 in range(0, s_q, chunk):
+        n = min(chunk, s_q - token0)
+        dq_stage(q, kv2, out, dout, lse, idx2, dq, p_buf, ds_buf, s_kv, sm_scale, token0, n)
+        dkv_stage(q, dout, idx2, p_buf, ds_buf, rows, s_kv, token0, n, deterministic)
+        if deterministic:
+            _reduce_deterministic(rows, idx2[token0:token0 + n], dkv32)
+    return dq, dkv32.to(kv.dtype).unsqueeze(1)
+
+
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, indices: torch.Tensor, sm_scale: float, d_v: int = 512,
                    deterministic: bool = False, *, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int | None = None, num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [s_q, h_q, d_qk], dkv [s_kv, 1, d_qk]) in q's dtype, accumulated in fp32.
 
     q: [s_q, h_q, 512 or 576] bf16, kv: [s_kv, 1, d_qk] bf16, out/dout: [s_q, h_q, 512] bf16,
@@ -159,39 +234,7 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     (validated by the caller). ``deterministic`` gives bitwise-identical dkv run to run.
     The keyword knobs (dq kernel) exist for the benchmark's sweep.
     """
-    s_q, h_q, d_qk = q.shape
-    s_kv, topk = kv.shape[0], indices.shape[-1]
-    assert d_v == 512 and d_qk in (512, 576), "the triton sparse backward serves d_v 512, d_qk 512/576"
+    assert d_v == 512 and q.shape[-1] in (512, 576), "the triton sparse backward serves d_v 512, d_qk 512/576"
     assert out.stride() == dout.stride(), "out and dout must share strides (both contiguous)"
-    dq = torch.empty_like(q)
-    dkv32 = torch.zeros(s_kv, d_qk, dtype=torch.float32, device=q.device)
-    if s_q == 0 or s_kv == 0:
-        return dq.zero_(), dkv32.to(kv.dtype).unsqueeze(1)
-    block_h, head_blocks = head_blocking(h_q)
-    kv2, idx2 = kv.view(s_kv, d_qk), indices.view(s_q, topk)
-    per_token = h_q * topk * 4 + (topk * d_qk * 4 if deterministic else 0)
-    chunk = max(1, min(s_q, SCRATCH_BYTES // per_token))
-    p_buf = torch.empty(chunk * h_q * topk, dtype=q.dtype, device=q.device)
-    ds_buf = torch.empty_like(p_buf)
-    rows = torch.empty(chunk * topk, d_qk, dtype=torch.float32, device=q.device) if deterministic else dkv32
-    block_n = block_n or DQ_CONFIG["block_n"]
-    for token0 in range(0, s_q, chunk):
-        n = min(chunk, s_q - token0)
-        _bwd_dq_kernel[(n * head_blocks,)](
-            q, kv2, out, dout, lse, idx2, dq, p_buf, ds_buf,
-            h_q, s_kv, sm_scale, sm_scale * LOG2E, token0,
-            q.stride(0), q.stride(1), kv2.stride(0), dout.stride(0), dout.stride(1), idx2.stride(0),
-            TOPK=topk, D_PE=d_qk - NOPE.value, BLOCK_H=block_h, BLOCK_N=block_n, HEAD_BLOCKS=head_blocks,
-            INTERPRET=interpreting(), num_warps=num_warps or DQ_CONFIG["warps"][block_h],
-            num_stages=num_stages or DQ_CONFIG["stages"],
-        )
-        _bwd_dkv_kernel[(n * (d_qk // DKV_COLS),)](
-            q, dout, idx2, p_buf, ds_buf, rows,
-            h_q, s_kv, token0, q.stride(0), q.stride(1), dout.stride(0), dout.stride(1), idx2.stride(0),
-            TOPK=topk, D_QK=d_qk, H_PAD=max(16, triton.next_power_of_2(h_q)), BLOCK_N=DKV_CONFIG["block_n"],
-            COLS=DKV_COLS, DETERMINISTIC=deterministic, INTERPRET=interpreting(),
-            num_warps=DKV_CONFIG["warps"], num_stages=DKV_CONFIG["stages"],
-        )
-        if deterministic:
-            _reduce_deterministic(rows, idx2[token0:token0 + n], dkv32)
-    return dq, dkv32.to(kv.dtype).unsqueeze(1)
+    dq_stage = functools.partial(triton_dq, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return run_backward(q, kv, out, dout, lse, indices, sm_scale, deterministic, dq_stage, triton_dkv)
