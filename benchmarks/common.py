@@ -177,6 +177,14 @@ def compiled_stats(jit_fn, before: set, launch: bool = False) -> str:
     return "; ".join(notes)
 
 
+def short_kernel_name(name: str) -> str:
+    """A profiler kernel name without return type, namespaces, template arguments or parameters
+    (``void ns::(anonymous namespace)::dq_kernel<64>(Args)`` -> ``dq_kernel``), at most 32 characters."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    name = name.split("(")[0].split("<")[0]
+    return name.rsplit("::", 1)[-1][:32]
+
+
 def kernel_split(call, top: int = 3) -> str:
     """Device time of each kernel in one ``call`` (torch profiler), largest first."""
     try:
@@ -185,7 +193,7 @@ def kernel_split(call, top: int = 3) -> str:
             torch.cuda.synchronize()
         times = sorted(((e.device_time_total / 1000, e.key) for e in prof.key_averages() if e.device_time_total > 0),
                        reverse=True)
-        return ", ".join(f"{name[:24]} {ms:.3f} ms" for ms, name in times[:top])
+        return ", ".join(f"{short_kernel_name(name)} {ms:.3f} ms" for ms, name in times[:top])
     except Exception as e:  # the profiler is a convenience here, never a reason to fail
         log.warning("profiler failed: %s", e)
         return ""
