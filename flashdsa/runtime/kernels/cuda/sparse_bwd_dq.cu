@@ -88,19 +88,27 @@ __device__ __forceinline__ uint64_t k_step(int kk, int block_bytes) {
 }
 
 // The producer warpgroup: each tile's 32 key rows, gathered by id (zeros for an invalid id, which
-// is never read), into the ring (copy_ring.cuh's produce_ring).
+// is never read), into the ring (copy_ring.cuh's produce_ring). Warp w copies keys 8w..8w + 7, a
+// key's 16-byte chunks across its lanes; lane l holds key 8w + l % 8's id, loaded one tile ahead
+// and passed round by shuffle, so no copy waits on a load of its id.
 template <int DQK>
 __device__ void produce(const SparseBwdDqArgs& a, Shared& s, int64_t token, int tiles) {
   constexpr int CHUNKS = DQK / 8;  // 16-byte chunks of a key row
-  const int32_t* ids = a.indices + token * a.topk;
+  constexpr int KEYS_PER_WARP = KEYS / 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t* ids = a.indices + token * a.topk + KEYS_PER_WARP * warp + lane % KEYS_PER_WARP;
   const __nv_bfloat16* kv = static_cast<const __nv_bfloat16*>(a.kv);
+  int next = __ldg(ids);
   produce_ring<STAGES>(s.full, s.empty, tiles, [&](int t, int stage) {
-    for (int i = threadIdx.x; i < KEYS * CHUNKS; i += WARPGROUP_THREADS) {
-      const int key = i / CHUNKS, chunk = i % CHUNKS;
-      const int id = __ldg(ids + t * KEYS + key);
-      const bool valid = id >= 0 && id < a.s_kv;
-      copy_async_16(s.k[stage][chunk / 8] + swizzle_128b(key, chunk % 8),
-                    kv + static_cast<int64_t>(valid ? id : 0) * DQK + chunk * 8, valid);
+    const int id = next >= 0 && next < a.s_kv ? next : -1;
+    if (t + 1 < tiles) next = __ldg(ids + (t + 1) * KEYS);
+#pragma unroll
+    for (int k = 0; k < KEYS_PER_WARP; ++k) {
+      const int key = KEYS_PER_WARP * warp + k, key_id = __shfl_sync(0xffffffffu, id, k);
+      const __nv_bfloat16* row = kv + static_cast<int64_t>(key_id < 0 ? 0 : key_id) * DQK;
+#pragma unroll
+      for (int chunk = lane; chunk < CHUNKS; chunk += 32)
+        copy_async_16(s.k[stage][chunk / 8] + swizzle_128b(key, chunk % 8), row + chunk * 8, key_id >= 0);
     }
   });
 }
@@ -246,13 +254,15 @@ __device__ void low_half(const SparseBwdDqArgs& a, Shared& s, int64_t local, int
   for (int n = 0; n < LOW_COLS / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   for (int t = 0; t < tiles; ++t) {
     const int stage = t % STAGES;
+    int2 id[S_TILES];  // this thread's keys' ids, loaded while the scores are computed
+#pragma unroll
+    for (int j = 0; j < S_TILES; ++j) id[j] = __ldg(reinterpret_cast<const int2*>(ids + t * KEYS + 8 * j + 2 * t4));
     Barrier::wait(&s.full[stage], (t / STAGES) & 1);
     float p[S_TILES][4], dp[S_TILES][4];
     score_tile<DQK / 16>(s.q[0], s.k[stage][0], p);
 #pragma unroll
     for (int j = 0; j < S_TILES; ++j) {
-      const int2 id = __ldg(reinterpret_cast<const int2*>(ids + t * KEYS + 8 * j + 2 * t4));
-      const bool valid[2] = {id.x >= 0 && id.x < a.s_kv, id.y >= 0 && id.y < a.s_kv};
+      const bool valid[2] = {id[j].x >= 0 && id[j].x < a.s_kv, id[j].y >= 0 && id[j].y < a.s_kv};
 #pragma unroll
       for (int e = 0; e < 4; ++e) p[j][e] = valid[e & 1] ? exp2_approx(p[j][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
     }
