@@ -46,6 +46,7 @@ from flashdsa.runtime.norm import rms_norm
 from flashdsa.runtime.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from flashdsa.runtime.parallel.shard import Shard
 from flashdsa.runtime.parallel.sharding import check_fp8_splits
+from flashdsa.runtime.streams import branch
 
 # Parameters kept in fp32 in production mode (as the checkpoint and transformers keep them).
 FP32_PARAMS = ("e_score_correction_bias", "indexer.weights_proj.weight")
@@ -129,18 +130,20 @@ class MLA(nn.Module):
         else:  # one GEMM: [T, q_lora_rank], [T, index_head_dim], [T, kv_lora_rank + rope]
             q_a, index_k, kv_a = self.fused_input(x)
         q_resid = self.q_a_layernorm(q_a)  # [T, q_lora_rank]
+        # a captured decode step scores and selects (a few CTAs at small batches) beside the query path
+        selection = branch(x)
+        with selection.run():
+            selected = self.indexer(x, q_resid, rope, meta, index_pool, index_k)  # [T, topk] positions
         q = self.q_b_proj(q_resid).view(T, H, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)  # [T, H, 128], [T, H, 64]
         c_kv, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         c_kv = self.kv_a_layernorm(c_kv)  # [T, 512]
         q_pe, k_pe = rope(q_pe, k_pe, interleaved=True)  # [T, H, 64], [T, 64]
         store_latent(mla_pool, c_kv, k_pe, meta.slot_mapping)
-
-        selected = self.indexer(x, q_resid, rope, meta, index_pool, index_k)  # [T, topk] positions
-
         w_kv_b = self.kv_b_proj.weight.view(H, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, 128, 512] each
         q = absorbed_query(q_nope, q_pe, w_uk)  # [T, H, 576]
+        selection.join()
         # [t, H, v_head_dim] a run of sequences at a time (one run in most steps: no concatenation)
         parts = [torch.einsum("thc,hdc->thd", o_lat, w_uv) for o_lat in self._attend(q, mla_pool, selected, meta)]
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
