@@ -5,7 +5,7 @@
 //
 // Contract (flashdsa.runtime.kernels.sparse_mla_bwd): a slot whose key id is outside [0, s_kv) adds
 // nothing; duplicates add once per occurrence. Atomic mode adds fp32 rows into dkv with vector
-// reductions (red.global.add.v4.f32: the order of the additions varies run to run); deterministic
+// reductions (red.global.add.v2.f32: the order of the additions varies run to run); deterministic
 // mode stores each (token, slot) row and the caller sums them in a fixed order.
 //
 // One CTA takes one token and a range of N_QK d_qk columns (576 = 3 x 192; 512 = 192 + 192 + 128),
@@ -82,11 +82,9 @@ __device__ __forceinline__ void tile_wgmma(uint64_t a, uint64_t b, float (&acc)[
   wgmma_fragments<typename TileMma<N>::type, FIRST>(a, b + skip, acc, scale, std::make_index_sequence<4 * (N / 8)>{});
 }
 
-// dkv[row, col..col + 3] += v, one vector reduction at L2.
-__device__ __forceinline__ void reduce_quad(float* at, float4 v) {
-  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(at), "f"(v.x), "f"(v.y), "f"(v.z),
-               "f"(v.w)
-               : "memory");
+// dkv[row, col..col + 1] += (x, y), one vector reduction at L2.
+__device__ __forceinline__ void reduce_pair(float* at, float x, float y) {
+  asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
 }
 
 // q's columns [col0, col0 + N_QK) and dout's [col0, col0 + N_V) of the token, every head, into shared
@@ -133,25 +131,21 @@ __device__ __forceinline__ void rows_of(const SparseBwdDkvArgs& a, int64_t local
   }
 }
 
-// The tile's rows into dkv: added to the selected key rows, or stored (deterministic mode), four
-// columns at a time. A thread holds columns 8j + 2 t4 and + 1 of rows g and g + 8; lanes t4 and t4 ^ 1
-// trade halves so that the even one holds row g's four columns 8j + 2 t4.. and the odd one row g + 8's
-// (half as many vector reductions as pairs, each a whole 16 bytes).
+// The tile's rows into dkv: added to the selected key rows, or stored (deterministic mode).
 template <int N_QK>
 __device__ __forceinline__ void write_rows(const SparseBwdDkvArgs& a, const float (&acc)[N_QK / 8][4],
                                            const int (&rows)[2], int col0, int lane) {
-  const int odd = lane & 1;
-  const int64_t row = odd ? rows[1] : rows[0];
-  float* out = a.dkv + row * a.d_qk + col0 + 2 * ((lane & 3) - odd);
+  const int t4 = lane & 3;
 #pragma unroll
-  for (int j = 0; j < N_QK / 8; ++j) {
-    // the even lane keeps row g's pair and takes its partner's; the odd one keeps row g + 8's
-    const float give0 = odd ? acc[j][0] : acc[j][2], give1 = odd ? acc[j][1] : acc[j][3];
-    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-    const float4 v = odd ? make_float4(got0, got1, acc[j][2], acc[j][3]) : make_float4(acc[j][0], acc[j][1], got0, got1);
+  for (int i = 0; i < 2; ++i) {
+    const int64_t row = rows[i];
     if (row < 0) continue;
-    if (a.deterministic) *reinterpret_cast<float4*>(out + 8 * j) = v;
-    else reduce_quad(out + 8 * j, v);
+    float* out = a.dkv + row * a.d_qk + col0 + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < N_QK / 8; ++j) {
+      if (a.deterministic) *reinterpret_cast<float2*>(out + 8 * j) = make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
+      else reduce_pair(out + 8 * j, acc[j][2 * i], acc[j][2 * i + 1]);
+    }
   }
 }
 
