@@ -179,10 +179,21 @@ def compiled_stats(jit_fn, before: set, launch: bool = False) -> str:
 
 def short_kernel_name(name: str) -> str:
     """A profiler kernel name without return type, namespaces, template arguments or parameters
-    (``void ns::(anonymous namespace)::dq_kernel<64>(Args)`` -> ``dq_kernel``), at most 32 characters."""
-    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
-    name = name.split("(")[0].split("<")[0]
-    return name.rsplit("::", 1)[-1][:32]
+    (``void ns::(anonymous namespace)::dq_kernel<64>(Args)`` -> ``dq_kernel``); a generic last
+    component keeps its scope (``gemvx::kernel``); names that are not C++ signatures (``Memcpy DtoD
+    (Device -> Device)``) stay whole. At most 40 characters."""
+    bare, depth = [], 0
+    for ch in name.replace("(anonymous namespace)::", ""):  # drop template arguments, nested or not
+        depth += (ch == "<") - (ch == ">")
+        if depth == 0 and ch != ">":
+            bare.append(ch)
+    bare = "".join(bare)
+    head, paren, _ = bare.partition("(")
+    if not paren or head.endswith(" "):  # not a function signature
+        return name.strip()[:40]
+    parts = head.split()[-1].split("::")
+    keep = 2 if parts[-1] in ("kernel", "device_kernel") and len(parts) > 1 else 1
+    return "::".join(parts[-keep:])[:40]
 
 
 def kernel_split(call, top: int = 3) -> str:
