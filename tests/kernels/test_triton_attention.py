@@ -316,6 +316,19 @@ def test_cuda_dkv_step_equals_triton_dkv_step_on_the_same_scratch(h_q, d_qk, det
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
+def test_triton_dq_step_refuses_a_topk_that_is_not_whole_tiles():
+    """The step's index loads and scratch stores cover whole tiles: topk 96 at 64-key tiles would read
+    past the index row, so it is refused before any launch (CPU tensors: nothing runs)."""
+    from flashdsa.runtime.kernels.triton import sparse_bwd as triton_bwd
+
+    q, kv, indices = inputs(2, 128, 16, 576, 96, torch.device("cpu"))
+    out = torch.zeros(2, 16, D_V, dtype=torch.bfloat16)
+    scratch, lse = torch.empty(2 * 16 * 96, dtype=torch.bfloat16), torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="multiple of block_n 64, got 96"):
+        triton_bwd.triton_dq(q, kv.view(128, 576), out, out, lse, indices.view(2, 96), torch.empty_like(q), scratch,
+                             scratch, 128, 0.1, 0, 2)
+
+
 @gpu
 def test_cuda_bwd_ops_refuse_bad_arguments_with_their_names():
     if not cuda_forward_serves(64):

@@ -163,12 +163,15 @@ def triton_dq(q: torch.Tensor, kv2: torch.Tensor, out: torch.Tensor, dout: torch
     """The Triton dq step (a ``DqStage``): one program per (token, block of heads); the keyword
     knobs exist for the benchmark's sweep."""
     h_q, d_qk, topk = q.shape[1], q.shape[2], idx2.shape[1]
+    block_n = block_n or DQ_CONFIG["block_n"]
+    if topk % block_n:  # the kernel's index loads and scratch stores are whole tiles
+        raise ValueError(f"triton dq needs topk a multiple of block_n {block_n}, got {topk}")
     block_h, head_blocks = head_blocking(h_q)
     _bwd_dq_kernel[(tokens * head_blocks,)](
         q, kv2, out, dout, lse, idx2, dq, p_buf, ds_buf,
         h_q, s_kv, sm_scale, sm_scale * LOG2E, token0,
         q.stride(0), q.stride(1), kv2.stride(0), dout.stride(0), dout.stride(1), idx2.stride(0),
-        TOPK=topk, D_PE=d_qk - NOPE.value, BLOCK_H=block_h, BLOCK_N=block_n or DQ_CONFIG["block_n"],
+        TOPK=topk, D_PE=d_qk - NOPE.value, BLOCK_H=block_h, BLOCK_N=block_n,
         HEAD_BLOCKS=head_blocks, INTERPRET=interpreting(), num_warps=num_warps or DQ_CONFIG["warps"][block_h],
         num_stages=num_stages or DQ_CONFIG["stages"],
     )
