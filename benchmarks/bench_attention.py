@@ -129,7 +129,7 @@ def sweep(sets) -> tuple[list[Row], dict[str, dict]]:
 
 
 def cuda_bwd_rows(sets, shape: str, ms_triton: float) -> list[Row]:
-    """The native backward (the Triton dq kernel, then the native dkv kernels), atomic and
+    """The native backward (the native dq kernel, then the native dkv kernels), atomic and
     deterministic, with its largest deviation from the Triton backward's outputs."""
     from flashdsa.runtime.kernels.cuda import sparse_bwd as cuda_bwd
 
